@@ -1,0 +1,185 @@
+"""The one interface between models/engine and a compute backend.
+
+Models are written once against `Ops`; `backend/cpu` (numpy, float32, the
+reference) and `backend/cuda` (NVRTC kernels + cuBLASLt) implement it.
+
+Tensors are opaque to callers: `np.ndarray` on the CPU backend, a device tensor
+on CUDA. Callers only read `.shape` and `.dtype` and pass tensors back to ops.
+Shapes use these letters:
+  T  tokens in the step (all sequences, flattened)      B  sequences in the step
+  H  hidden size     V  vocab    I  intermediate size   D  head dim
+  Hq query heads     Hkv kv heads
+  NB kv blocks       BS block size (tokens per block)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+Tensor = Any
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence of a flattened step lives, in host numpy arrays.
+
+    The backend uploads what it needs (`Ops.prepare_attention`).
+    query_start_loc: [B+1] int32, row offsets of each sequence's new tokens in T.
+    seq_lens:        [B] int32, context length after this step (cached + new).
+    block_tables:    [B, max_blocks] int32, padded with 0 past a sequence's blocks.
+    slot_mapping:    [T] int32, flat cache slot (block_id * BS + offset) for each new token.
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding, neox style (rotate halves), over the first `rotary_dim` dims.
+
+    inv_freq: [rotary_dim // 2] float64, already scaled (e.g. llama3 scaling).
+    attention_scaling: multiplier applied to cos/sin (1.0 for default rope).
+    """
+
+    rotary_dim: int
+    inv_freq: np.ndarray
+    attention_scaling: float = 1.0
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters for one step, host numpy arrays.
+
+    Order of processing (matches vLLM / HF logits processors):
+      penalties -> min-tokens ban -> temperature -> top-k -> top-p -> min-p -> draw.
+    temperature:  [B] float32; 0 means greedy (argmax of the penalised logits).
+    top_k:        [B] int32; 0 or >= V disables.
+    top_p:        [B] float32 in (0, 1]; 1 disables.
+    min_p:        [B] float32 in [0, 1]; 0 disables.
+    repetition_penalty, presence_penalty, frequency_penalty: [B] float32 (1, 0, 0 disable).
+    prompt_token_ids: [B, P] int32 padded with -1 (for the repetition penalty).
+    output_token_ids: [B, L] int32 padded with -1 (all three penalties).
+    banned_token_ids: [B, S] int32 padded with -1: set to -inf (min_tokens not yet reached).
+    seeds:        [B] uint64 Philox keys, one per request.
+    steps:        [B] int64 Philox counters: the index of the token being drawn.
+    num_logprobs: max over rows of top logprobs wanted, -1 when no row wants logprobs.
+    """
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    repetition_penalty: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    prompt_token_ids: np.ndarray
+    output_token_ids: np.ndarray
+    banned_token_ids: np.ndarray
+    seeds: np.ndarray
+    steps: np.ndarray
+    num_logprobs: int = -1
+
+
+@dataclass
+class SamplerOutput:
+    """Host results of `Ops.sample`.
+
+    token_ids:      [B] int64 sampled ids.
+    logprobs:       [B] float32 logprob of each sampled id under the raw model
+                    distribution (log_softmax of the unprocessed logits), or None.
+    ranks:          [B] int64 rank of each sampled id (1 = most likely), or None.
+    top_ids:        [B, K] int64 most likely ids, descending, or None.
+    top_logprobs:   [B, K] float32 their logprobs, or None.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
+class Ops(Protocol):
+    """Compute backend. Every op is functional unless its name ends in `_`
+    or it says it writes a cache."""
+
+    name: str
+    dtype: np.dtype  # activation/weight dtype of this backend instance
+
+    # ---- memory ----
+    def upload(self, array: np.ndarray, dtype: np.dtype | None = None) -> Tensor:
+        """Host array -> backend tensor (cast to `dtype` if given)."""
+
+    def download(self, x: Tensor) -> np.ndarray:
+        """Backend tensor -> host numpy array (same shape; bf16 comes back as float32)."""
+
+    def empty(self, shape: Sequence[int], dtype: np.dtype) -> Tensor: ...
+
+    def allocate_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in `self.dtype`, zeroed."""
+
+    def prepare_attention(self, meta: AttentionMetadata) -> Any:
+        """Upload/plan a step's attention metadata once; the result is passed to
+        every layer's `attention` and `rope_write_kv` call of that step."""
+
+    # ---- compute ----
+    def embedding(self, token_ids: Tensor, table: Tensor) -> Tensor:
+        """token_ids [T] int32, table [V, H] -> [T, H]."""
+
+    def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """RMSNorm over the last dim in fp32. x [..., D], weight [D] -> [..., D]."""
+
+    def add_rmsnorm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """residual' = x + residual; y = rmsnorm(residual'). Returns (y, residual')."""
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N]."""
+
+    def split_heads(self, qkv: Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+
+    def rope_write_kv(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, rope: RopeConfig,
+        k_cache: Tensor, v_cache: Tensor, attn: Any,
+    ) -> Tensor:
+        """Rotate q and k at `positions` [T] int32, write rotated k and v into the
+        caches at the step's slot mapping, return rotated q [T, Hq, D]."""
+
+    def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: Any, scale: float) -> Tensor:
+        """Causal paged attention with GQA. q [T, Hq, D] -> [T, Hq, D].
+
+        Token t of sequence s at position p attends to cache slots 0..p of s,
+        read through the block table."""
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+
+    def add(self, x: Tensor, y: Tensor) -> Tensor: ...
+
+    def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor:
+        """A view with a new shape (contiguous tensors only)."""
+
+    def logits(self, hidden: Tensor, indices: Tensor, norm_weight: Tensor, eps: float, lm_head: Tensor) -> Tensor:
+        """Final norm + lm_head for the rows `indices` [B] int32 only.
+        hidden [T, H], lm_head [V, H] -> logits [B, V] float32."""
+
+    def sample(self, logits: Tensor, params: SamplingTensors) -> SamplerOutput:
+        """Process and draw one token per row. logits [B, V] float32."""
