@@ -31,6 +31,8 @@ class Request:
     Tokens are `prompt_token_ids + output_token_ids`; the first
     `num_computed_tokens` of them have K/V in the cache.
     `seed` is the resolved Philox key (the user's seed, or a random one).
+    `block_hashes` are the chained prefix-cache hashes of its full blocks, kept
+    across preemption so a resumed request finds its own blocks again.
     """
 
     request_id: str
@@ -49,6 +51,9 @@ class Request:
     # n > 1: siblings share `group_id`; sample index within the group.
     group_id: str | None = None
     sample_index: int = 0
+    # Mixed into every block hash: requests that differ here never share KV (e.g. a LoRA id).
+    block_hash_extra_keys: tuple = ()
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,6 +70,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,280 @@
+"""Continuous batching in the vLLM v1 style: no prefill or decode phases.
+
+Every request has `num_tokens` (prompt + output) of which `num_computed_tokens`
+have K/V in the cache. Each step gives every scheduled request as many of its
+missing tokens as fit in the token budget, so a decode is 1 token, a prompt is
+a chunk, and one step mixes both. Running requests go first, then waiting ones
+(minus their prefix-cache hit). When blocks run out, the most recently arrived
+running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache_manager import KVCacheManager, PrefixCacheStats
+from .outputs import TokenLogprob
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One request's share of a step: tokens [request.num_computed_tokens,
+    + num_new_tokens) are computed. block_ids is its whole (live) block table."""
+
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    num_batched_tokens: int
+    preempted: list[Request]  # lost their blocks this step; the runner drops their state
+
+
+def _arrival_time(request: Request) -> float:
+    return request.arrival_time
+
+
+class Scheduler:
+    """Picks each step's batch and applies its sampled tokens.
+
+    Call order per step: `schedule()`, the forward on its output, then
+    `update()` with that output before the next `schedule()`. The runner reads
+    `request.num_computed_tokens` (the first new position) before `update()`.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len), ("num_blocks", num_blocks),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        # A sequence stops at the pool's size too, so one alone always fits and
+        # preemption can never livelock.
+        self._max_sequence_len = min(max_model_len, num_blocks * block_size)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept in arrival order: preemption takes the last
+        self._group_leaders: dict[str, Request] = {}  # n > 1: group id -> its first sibling
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv.prefix_cache_hits
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv.prefix_cache_stats
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError (and nothing queued) if it can never run."""
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if num_prompt > self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, more than max_model_len "
+                             f"({self.max_model_len})")
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        if num_prompt > capacity:
+            raise ValueError(f"the prompt has {num_prompt} tokens, more than the whole KV cache holds "
+                             f"({capacity} tokens: {self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if request.group_id is not None:
+            self._group_leaders.setdefault(request.group_id, request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch: running requests first, in arrival order, then waiting ones."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Request] = []
+        kv = self.kv
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            block_ids = kv.allocate_slots(request, num_new)
+            while block_ids is None:
+                # The victim is always at index >= i (running is in arrival order),
+                # so nothing already scheduled this step loses its blocks.
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                block_ids = kv.allocate_slots(request, num_new)
+            if block_ids is None:
+                break
+            scheduled.append(ScheduledSequence(request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+        # As in vLLM: a step that had to preempt admits nobody new.
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+        """Move waiting requests to running, first come first served, while budget,
+        seats and blocks last. Returns the budget left."""
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            leader = self._group_leaders.get(request.group_id) if request.group_id is not None else None
+            if leader is request:
+                leader = None
+            if leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens:
+                # Wait for the first sibling's prompt, then share its blocks.
+                skipped.append(request)
+                continue
+            computed_block_ids, num_computed = self.kv.get_computed_blocks(request, share_from=leader)
+            num_new = min(request.num_tokens - num_computed, budget)
+            block_ids = self.kv.allocate_slots(request, num_new, computed_block_ids)
+            if block_ids is None:
+                self.waiting.appendleft(request)
+                break
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=_arrival_time)
+            scheduled.append(ScheduledSequence(request, num_new, block_ids))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free its blocks and put it at the front of the queue."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput,
+               sampled: list[tuple[int, TokenLogprob | None] | None]) -> list[Request]:
+        """Apply a step: advance computed tokens, publish full blocks, append the sampled
+        tokens and check stops. sampled[i] belongs to output.scheduled[i] and is None for
+        a prompt chunk that did not reach the end. Returns the requests that got a token
+        (finished ones included); those finished here have freed their blocks."""
+        if len(sampled) != len(output.scheduled):
+            raise ValueError(f"sampled has {len(sampled)} entries for "
+                             f"{len(output.scheduled)} scheduled sequences")
+        updated = []
+        num_finished = 0
+        kv = self.kv
+        running_status = RequestStatus.RUNNING
+        for seq, sample in zip(output.scheduled, sampled):
+            request = seq.request
+            if request.status is not running_status:
+                continue  # finished (aborted) since schedule()
+            request.num_computed_tokens += seq.num_new_tokens
+            kv.cache_full_blocks(request)
+            if sample is None:
+                continue
+            token_id, logprob = sample
+            request.output_token_ids.append(token_id)
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                num_finished += 1
+            updated.append(request)
+        if num_finished:
+            self.running = [r for r in self.running if r.status is running_status]
+        return updated
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Why `request` stops after sampling `token_id`, or None. eos and stop tokens
+        wait for min_tokens; the length limits cannot."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) \
+                or request.num_tokens >= self._max_sequence_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside (abort, stop string, error) and free its blocks at
+        once. Unknown or already finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.group_id is not None and self._group_leaders.get(request.group_id) is request:
+            del self._group_leaders[request.group_id]
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless queues, statuses, block tables and the block pool agree."""
+        problems = []
+        queued = self.running + list(self.waiting)
+        if {r.request_id for r in queued} != set(self.requests) or len(queued) != len(self.requests):
+            problems.append("running + waiting differ from the unfinished requests")
+        if len(self.running) > self.max_num_seqs:
+            problems.append(f"{len(self.running)} running, above max_num_seqs {self.max_num_seqs}")
+        if set(self.kv.block_tables) != {r.request_id for r in self.running}:
+            problems.append("block tables are held by other requests than the running ones")
+        block_size = self.kv.block_size
+        for request in self.running:
+            table = self.kv.block_tables.get(request.request_id, [])
+            if request.status is not RequestStatus.RUNNING:
+                problems.append(f"running request {request.request_id!r} has status {request.status}")
+            min_blocks = -(-request.num_computed_tokens // block_size)
+            max_blocks = -(-request.num_tokens // block_size)
+            if not min_blocks <= len(table) <= max_blocks:
+                problems.append(f"request {request.request_id!r} holds {len(table)} blocks for "
+                                f"{request.num_computed_tokens}/{request.num_tokens} computed tokens")
+        for request in self.waiting:
+            if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                problems.append(f"waiting request {request.request_id!r} has status {request.status}")
+        if problems:
+            raise RuntimeError("scheduler is inconsistent: " + "; ".join(problems))
+        self.kv.check_integrity()
