@@ -12,14 +12,10 @@ log = logging.getLogger("sparkd.backend")
 def cuda_available() -> bool:
     """True when cuda-python is installed and a CUDA device answers."""
     try:
-        from cuda.bindings import driver
+        from .cuda.driver import cuda_driver_available
     except ImportError:
         return False
-    err, = driver.cuInit(0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return False
-    err, count = driver.cuDeviceGetCount()
-    return err == driver.CUresult.CUDA_SUCCESS and count > 0
+    return cuda_driver_available()
 
 
 def create_backend(device: str = "auto", dtype: str = "auto", checkpoint_dtype: str = "float32") -> Ops:

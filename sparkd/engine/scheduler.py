@@ -66,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept in arrival order: preemption takes the last
         self._group_leaders: dict[str, Request] = {}  # n > 1: group id -> its first sibling
+        self.num_preemptions_total = 0
 
     @property
     def num_running(self) -> int:
@@ -180,6 +181,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
     def update(self, output: SchedulerOutput,

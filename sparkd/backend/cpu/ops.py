@@ -1,0 +1,123 @@
+"""`NumpyOps`: the numpy backend, computing in float32.
+
+It is the reference every CUDA kernel is checked against and the default where no
+GPU exists. Tensors are plain `np.ndarray`s; each op works on the whole flattened
+step at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..base import AttentionMetadata, RopeConfig, SamplerOutput, SamplingTensors
+from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from .sampler import sample
+
+
+class NumpyOps:
+    name = "cpu"
+    dtype = np.dtype(np.float32)
+
+    # ---- memory ----
+    def upload(self, array: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
+        """A private, contiguous copy (cast to `dtype` if given)."""
+        return np.array(array, dtype=dtype, order="C", copy=True)
+
+    def download(self, x: np.ndarray) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def empty(self, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+        return np.empty(tuple(shape), dtype=dtype)
+
+    def allocate_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        return [(np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)) for _ in range(num_layers)]
+
+    def prepare_attention(self, meta: AttentionMetadata) -> AttentionPlan:
+        return plan_attention(meta)
+
+    # ---- compute ----
+    def embedding(self, token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+        return table[token_ids]
+
+    def rmsnorm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        variance = np.mean(np.square(x), axis=-1, keepdims=True)
+        return x / np.sqrt(variance + np.float32(eps)) * weight
+
+    def add_rmsnorm(
+        self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        residual = x + residual
+        return self.rmsnorm(residual, weight, eps), residual
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        y = x @ weight.T
+        if bias is not None:
+            y += bias
+        return y
+
+    def split_heads(
+        self, qkv: np.ndarray, num_q_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        num_tokens = qkv.shape[0]
+        q_end = num_q_heads * head_dim
+        k_end = q_end + num_kv_heads * head_dim
+        q = qkv[:, :q_end].reshape(num_tokens, num_q_heads, head_dim)
+        k = qkv[:, q_end:k_end].reshape(num_tokens, num_kv_heads, head_dim)
+        v = qkv[:, k_end:].reshape(num_tokens, num_kv_heads, head_dim)
+        return q, k, v
+
+    def rope_write_kv(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, rope: RopeConfig,
+        k_cache: np.ndarray, v_cache: np.ndarray, attn: AttentionPlan,
+    ) -> np.ndarray:
+        cos, sin = _rope_cos_sin(positions, rope)
+        write_kv(_rotate(k, cos, sin), v, k_cache, v_cache, attn)
+        return _rotate(q, cos, sin)
+
+    def attention(
+        self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, attn: AttentionPlan, scale: float
+    ) -> np.ndarray:
+        return paged_attention(q, k_cache, v_cache, attn, scale)
+
+    def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
+        gate, up = np.split(x, 2, axis=-1)
+        with np.errstate(over="ignore"):  # exp(-gate) = inf for gate << 0 gives the right limit, 0
+            return gate / (1.0 + np.exp(-gate)) * up
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return x + y
+
+    def reshape(self, x: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+        return x.reshape(tuple(shape))
+
+    def logits(
+        self, hidden: np.ndarray, indices: np.ndarray, norm_weight: np.ndarray, eps: float, lm_head: np.ndarray
+    ) -> np.ndarray:
+        normed = self.rmsnorm(hidden[indices], norm_weight, eps)
+        return (normed @ lm_head.T).astype(np.float32, copy=False)
+
+    def sample(self, logits: np.ndarray, params: SamplingTensors) -> SamplerOutput:
+        return sample(logits, params)
+
+
+def _rope_cos_sin(positions: np.ndarray, rope: RopeConfig) -> tuple[np.ndarray, np.ndarray]:
+    """-> cos, sin [T, 1, rotary_dim // 2] float32 (broadcast over heads)."""
+    angles = positions.astype(np.float64)[:, None] * rope.inv_freq[None, :]
+    cos = (np.cos(angles) * rope.attention_scaling).astype(np.float32)
+    sin = (np.sin(angles) * rope.attention_scaling).astype(np.float32)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Neox rotary on the first rotary_dim dims of x [T, H, D]; the rest pass through."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    out = x.copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half : 2 * half] = x2 * cos + x1 * sin
+    return out

@@ -1,0 +1,122 @@
+"""Dense decoder for LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, written once against `Ops`.
+
+Mirrors transformers' modeling_llama.py; the Qwen variants differ only in config
+flags (Qwen2: q/k/v bias; Qwen3: per-head q/k RMSNorm). The checkpoint's q/k/v
+projections arrive fused into one `qkv_proj` and gate/up into one `gate_up_proj`
+(see `packed_modules`), so each layer runs two large GEMMs instead of five small ones.
+
+Shapes: T tokens in the step, H hidden, Hq/Hkv query/kv heads, D head dim, I intermediate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ..backend.base import Ops, Tensor
+from .config import ModelConfig
+
+Weights = dict[str, Tensor]
+
+
+def take(weights: Weights, name: str) -> Tensor:
+    """Remove and return one uploaded weight; what is left over afterwards was unused."""
+    try:
+        return weights.pop(name)
+    except KeyError:
+        raise ValueError(f"checkpoint is missing weight {name!r}") from None
+
+
+def take_linear(weights: Weights, prefix: str, has_bias: bool) -> tuple[Tensor, Tensor | None]:
+    """(weight [N, K], bias [N] or None) of the linear layer at `prefix`."""
+    return take(weights, prefix + ".weight"), take(weights, prefix + ".bias") if has_bias else None
+
+
+class DenseAttention:
+    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
+        self.ops = ops
+        self.config = config
+        self.scaling = config.head_dim**-0.5
+        self.qkv_proj, self.qkv_bias = take_linear(weights, prefix + "qkv_proj", config.qkv_bias)
+        self.o_proj, self.o_bias = take_linear(weights, prefix + "o_proj", config.o_proj_bias)
+        self.q_norm = take(weights, prefix + "q_norm.weight") if config.qk_norm else None
+        self.k_norm = take(weights, prefix + "k_norm.weight") if config.qk_norm else None
+
+    def forward(self, positions: Tensor, hidden_states: Tensor, attn: Any, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        """hidden_states [T, H] -> [T, H]; writes this step's K/V into kv_cache."""
+        ops, config = self.ops, self.config
+        qkv = ops.linear(hidden_states, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = ops.split_heads(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
+        if config.qk_norm:
+            q = ops.rmsnorm(q, self.q_norm, config.rms_norm_eps)
+            k = ops.rmsnorm(k, self.k_norm, config.rms_norm_eps)
+        k_cache, v_cache = kv_cache
+        q = ops.rope_write_kv(q, k, v, positions, config.rope, k_cache, v_cache, attn)
+        attn_output = ops.attention(q, k_cache, v_cache, attn, self.scaling)  # [T, Hq, D]
+        attn_output = ops.reshape(attn_output, (q.shape[0], config.num_heads * config.head_dim))
+        return ops.linear(attn_output, self.o_proj, self.o_bias)
+
+
+class DenseMLP:
+    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
+        self.ops = ops
+        self.gate_up_proj, self.gate_up_bias = take_linear(weights, prefix + "gate_up_proj", config.mlp_bias)
+        self.down_proj, self.down_bias = take_linear(weights, prefix + "down_proj", config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]."""
+        gate_up = self.ops.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2I]
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj, self.down_bias)
+
+
+class DenseDecoderLayer:
+    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
+        self.ops = ops
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = take(weights, prefix + "input_layernorm.weight")
+        self.self_attn = DenseAttention(config, ops, weights, prefix + "self_attn.")
+        self.post_attention_layernorm = take(weights, prefix + "post_attention_layernorm.weight")
+        self.mlp = DenseMLP(config, ops, weights, prefix + "mlp.")
+
+    def forward(
+        self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None, attn: Any, kv_cache: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """The residual add is deferred into the next norm (`add_rmsnorm`), so a layer
+        returns (its sublayer output, the residual stream before adding it)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.ops.rmsnorm(hidden_states, self.input_layernorm, self.eps)
+        else:
+            hidden_states, residual = self.ops.add_rmsnorm(hidden_states, residual, self.input_layernorm, self.eps)
+        hidden_states = self.self_attn.forward(positions, hidden_states, attn, kv_cache)
+        hidden_states, residual = self.ops.add_rmsnorm(hidden_states, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp.forward(hidden_states), residual
+
+
+class DenseForCausalLM:
+    """Takes its weights, uploaded and packed, from `weights`, removing each one it uses."""
+
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights):
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = take(weights, "model.embed_tokens.weight")
+        self.layers = [DenseDecoderLayer(config, ops, weights, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.norm = take(weights, "model.norm.weight")
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy anyway
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = take(weights, "lm_head.weight")
+
+    def forward(self, token_ids: Tensor, positions: Tensor, attn: Any, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """token_ids, positions [T] int32 -> final hidden states [T, H], before the last norm."""
+        hidden_states = self.ops.embedding(token_ids, self.embed_tokens)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer.forward(positions, hidden_states, residual, attn, kv_cache)
+        return self.ops.add(hidden_states, residual)
+
+    def compute_logits(self, hidden_states: Tensor, indices: Tensor) -> Tensor:
+        """Final norm + lm_head on rows `indices` [B] int32 of hidden_states [T, H] -> [B, V] float32."""
+        return self.ops.logits(hidden_states, indices, self.norm, self.config.rms_norm_eps, self.lm_head)

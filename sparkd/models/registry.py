@@ -1,0 +1,85 @@
+"""Architecture name -> model class, and loading a checkpoint directory into a model.
+
+Supporting a new architecture is one entry in `_MODEL_CLASSES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..backend.base import Ops
+from .config import ModelConfig, architecture_of, read_hf_configs
+from .dense import DenseForCausalLM
+from .safetensors_reader import iter_checkpoint
+
+_MODEL_CLASSES: dict[str, type] = {
+    "LlamaForCausalLM": DenseForCausalLM,
+    "Qwen2ForCausalLM": DenseForCausalLM,
+    "Qwen3ForCausalLM": DenseForCausalLM,
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
+
+# Buffers some exporters save that the models recompute.
+_IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def model_class_for(architecture: str) -> type:
+    try:
+        return _MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """The checkpoint's ModelConfig; ValueError for an unsupported architecture."""
+    hf_config, generation_config = read_hf_configs(model_dir)
+    model_class_for(architecture_of(hf_config))
+    return ModelConfig.from_hf(hf_config, generation_config)
+
+
+def load_model(model_dir: str | Path, ops: Ops) -> Any:
+    """Build the model for `model_dir`, uploading its weights through `ops` in `ops.dtype`.
+
+    Weights stream from the mapped files one tensor at a time and are uploaded at once;
+    the host keeps only packed modules still waiting for a part (see `pack_weights`)."""
+    config = load_model_config(model_dir)
+    model_class = model_class_for(config.architecture)
+    checkpoint = ((n, a) for n, a in iter_checkpoint(model_dir) if not n.endswith(_IGNORED_WEIGHT_SUFFIXES))
+    weights = {name: ops.upload(array, ops.dtype) for name, array in pack_weights(checkpoint, model_class.packed_modules)}
+    model = model_class(config, ops, weights)
+    if weights:
+        raise ValueError(f"checkpoint has weights {config.architecture} does not use: {sorted(weights)}")
+    return model
+
+
+def pack_weights(
+    weights: Iterable[tuple[str, np.ndarray]], packed_modules: dict[str, tuple[str, ...]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Concatenate the parts of each packed module along dim 0, in the listed order.
+
+    With packed_modules {"qkv_proj": ("q_proj", "k_proj", "v_proj")}, the three tensors
+    `...self_attn.{q,k,v}_proj.weight` become one `...self_attn.qkv_proj.weight`, yielded
+    once its last part has arrived (shards may split a layer's parts). Other weights
+    pass through unchanged."""
+    part_of = {part: (packed, i) for packed, parts in packed_modules.items() for i, part in enumerate(parts)}
+    pending: dict[str, list[np.ndarray | None]] = {}
+    for name, array in weights:
+        path = name.split(".")
+        if len(path) < 2 or path[-2] not in part_of:
+            yield name, array
+            continue
+        packed, index = part_of[path[-2]]
+        packed_name = ".".join([*path[:-2], packed, path[-1]])
+        parts = pending.setdefault(packed_name, [None] * len(packed_modules[packed]))
+        parts[index] = array
+        if all(part is not None for part in parts):
+            del pending[packed_name]
+            yield packed_name, np.concatenate(parts, axis=0)
+    if pending:
+        raise ValueError(f"checkpoint has only some parts of {sorted(pending)}")
