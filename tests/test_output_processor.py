@@ -49,7 +49,7 @@ def stream(processor, seq, tokens, last_status=RequestStatus.FINISHED_LENGTH, st
     for i, token in enumerate(tokens):
         last = i == len(tokens) - 1
         append(seq, token, last_status if last else None, stop_reason if last else None)
-        out, stopped = processor.process([seq])
+        out, stopped, _ = processor.process([seq])
         outputs.append(out)
         stops.append(stopped)
     return outputs, stops
@@ -69,7 +69,7 @@ def test_streams_utf8_deltas_and_finishes_by_length():
     assert (completion.text, completion.token_ids, completion.finish_reason) == (text, encode(text), "length")
     assert not any(outputs[i][0].finished for i in range(len(outputs) - 1))
     assert stops == [[]] * len(outputs)
-    assert processor.process([append(seq, 65)]) == ([], [])  # forgotten once finished
+    assert processor.process([append(seq, 65)]) == ([], [], [])  # forgotten once finished
     assert not processor.has_unfinished()
 
 
@@ -133,15 +133,15 @@ def test_special_eos_is_skipped_or_shown():
 def test_parallel_samples_share_one_output():
     processor = OutputProcessor(ByteTokenizer())
     first, second = add(processor, n=2, max_tokens=3)
-    out, _ = processor.process([append(first, ord("a")), append(second, ord("x"))])
+    out, _, _ = processor.process([append(first, ord("a")), append(second, ord("x"))])
     assert len(out) == 1 and [c.text for c in out[0].outputs] == ["a", "x"]
-    out, _ = processor.process([append(second, ord("y"))])
+    out, _, _ = processor.process([append(second, ord("y"))])
     first_out, second_out = out[0].outputs
     assert (first_out.index, first_out.text, first_out.text_delta, first_out.num_new_tokens) == (0, "a", "", 0)
     assert (second_out.index, second_out.text, second_out.text_delta, second_out.num_new_tokens) == (1, "xy", "y", 1)
-    out, _ = processor.process([append(first, ord("b"), RequestStatus.FINISHED_STOPPED, "b")])
+    out, _, _ = processor.process([append(first, ord("b"), RequestStatus.FINISHED_STOPPED, "b")])
     assert not out[0].finished and out[0].outputs[0].finish_reason == "stop"
-    out, _ = processor.process([append(second, ord("z"), RequestStatus.FINISHED_LENGTH)])
+    out, _, _ = processor.process([append(second, ord("z"), RequestStatus.FINISHED_LENGTH)])
     assert out[0].finished and [c.finish_reason for c in out[0].outputs] == ["stop", "length"]
     assert [c.text for c in out[0].outputs] == ["ab", "xyz"]
 
@@ -152,7 +152,7 @@ def test_logprobs_accumulate_only_when_asked():
     (without,) = add(processor, "b")
     lp = [TokenLogprob(ord("h"), -0.5, 1, {ord("h"): -0.5}), TokenLogprob(ord("i"), -1.5, 2, {ord("j"): -0.2})]
     processor.process([append(with_lp, ord("h"), logprob=lp[0]), append(without, ord("h"))])
-    out, _ = processor.process([append(with_lp, ord("i"), logprob=lp[1]), append(without, ord("i"))])
+    out, _, _ = processor.process([append(with_lp, ord("i"), logprob=lp[1]), append(without, ord("i"))])
     assert out[0].outputs[0].logprobs == lp
     assert out[1].outputs[0].logprobs is None
 
@@ -172,7 +172,7 @@ def test_abort_and_fail_end_the_request():
     processor.process([append(seq, ord("h"))])
     aborted = processor.abort("a")
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].text == "h"
-    assert processor.process([append(seq, ord("i"))]) == ([], [])
+    assert processor.process([append(seq, ord("i"))]) == ([], [], [])
     assert processor.abort("a") is None
     first, second = add(processor, "b", n=2)
     processor.process([append(first, ord("x"), RequestStatus.FINISHED_LENGTH)])

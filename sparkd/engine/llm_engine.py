@@ -163,9 +163,11 @@ class LLMEngine:
     def postprocess(self, output: SchedulerOutput, sampled: list[SampledToken | None]) -> list[RequestOutput]:
         updated = self.scheduler.update(output, sampled)
         self.generation_tokens_total += sum(s is not None for s in sampled)
-        outputs, stopped = self.output_processor.process(updated)
+        outputs, stopped, failed = self.output_processor.process(updated)
         for seq_id, _ in stopped:
             self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_STOPPED)
+        for seq_id in failed:
+            self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ERROR)
         for out in outputs:
             if out.finished:
                 self._groups.pop(out.request_id, None)

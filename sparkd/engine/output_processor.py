@@ -145,29 +145,40 @@ class OutputProcessor:
             self._sequence_owner[request.request_id] = (state, index)
         self._requests[request_id] = state
 
-    def process(self, updated: Sequence[Request]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+    def process(self, updated: Sequence[Request]) -> tuple[list[RequestOutput], list[tuple[str, str]], list[str]]:
         """Sequences that got tokens this step (finished ones included) ->
-        (one RequestOutput per affected request, [(sequence request_id, stop string)]
-        for sequences a stop string ended, which the scheduler must now finish)."""
+        (one RequestOutput per affected request,
+         [(sequence request_id, stop string)] for sequences a stop string ended,
+         [sequence request_id] of requests that failed here, ended with an error output).
+        The scheduler must finish the sequences of the last two lists."""
         deltas: dict[_RequestState, dict[int, tuple[str, int]]] = {}
         stopped: list[tuple[str, str]] = []
+        failed: list[_RequestState] = []
         for request in updated:
             owner = self._sequence_owner.get(request.request_id)
             if owner is None:
-                continue  # aborted meanwhile
+                continue  # aborted or failed meanwhile
             state, index = owner
             seq = state.sequences[index]
             if seq.finish_reason is not None:
                 continue  # a stop string ended it; the scheduler has not caught up yet
-            delta, num_new_tokens, stop = seq.advance(request)
+            try:
+                delta, num_new_tokens, stop = seq.advance(request)
+            except Exception as exc:  # one request's output failing must not stop the others
+                failed.append(state)
+                deltas.pop(state, None)
+                self._end(state.request_id, "error", f"output processing failed: {type(exc).__name__}: {exc}")
+                continue
             deltas.setdefault(state, {})[index] = (delta, num_new_tokens)
             if stop is not None:
                 stopped.append((request.request_id, stop))
         outputs = [state.snapshot(step_deltas) for state, step_deltas in deltas.items()]
+        outputs += [state.snapshot({}) for state in failed]
         for state in deltas:
             if state.finished:
                 self._forget(state)
-        return outputs, stopped
+        failed_ids = [seq.request.request_id for state in failed for seq in state.sequences]
+        return outputs, stopped, failed_ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now -> its final output ("abort"), or None if it is
