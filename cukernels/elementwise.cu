@@ -1,0 +1,19 @@
+// Elementwise add: out = x + y, fp32 math, rounded once to T.
+#include "common.cuh"
+
+using namespace sparkd;
+
+// out, x, y: [n] contiguous, n a multiple of kVec.
+// Launch: a 1-D grid of 256-thread blocks striding over the n / kVec chunks.
+template <typename T, int kVec>
+__global__ void add_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ y, long long n) {
+  for (long long i = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) * kVec; i < n;
+       i += static_cast<long long>(gridDim.x) * blockDim.x * kVec) {
+    float a[kVec], b[kVec];
+    load_floats<kVec>(x + i, a);
+    load_floats<kVec>(y + i, b);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) a[k] += b[k];
+    store_floats<kVec>(out + i, a);
+  }
+}

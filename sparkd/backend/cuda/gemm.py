@@ -1,0 +1,174 @@
+"""GEMM through cuBLASLt (nvmath-python's low-level bindings): y = x @ W^T (+ bias).
+
+Weights stay in the Hugging Face layout W [N, K] row-major. cuBLASLt is
+column-major, where row-major y [M, N] is y^T [N, M]; so it computes
+y^T = W x^T with A = W (a [K, N] column-major matrix, transposed) and
+B = x (a [K, M] column-major matrix, as is).
+
+Accumulation is fp32 for every input type, and fp32 inputs never use TF32:
+fp32 results must match numpy to 1e-5. A plan (descriptors and the algorithm the
+heuristic picked) is cached per shape, types, leading dimension and pointer
+alignment; building one needs no device work, so a new shape may appear even
+while a graph is being captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from nvmath import CudaDataType
+from nvmath.bindings import cublas
+from nvmath.bindings import cublasLt as lt
+
+from ..dtypes import DType
+from .driver import Stream, ensure_context
+from .memory import DeviceAllocator
+from .tensor import DeviceTensor
+
+WORKSPACE_BYTES = 32 << 20  # what cuBLAS itself uses on Hopper
+
+_DATA_TYPES = {
+    DType.float32: CudaDataType.CUDA_R_32F,
+    DType.float16: CudaDataType.CUDA_R_16F,
+    DType.bfloat16: CudaDataType.CUDA_R_16BF,
+}
+
+
+class GemmError(RuntimeError):
+    """cuBLASLt rejected or failed a matmul; the message names the shape."""
+
+
+def pointer_alignment(ptr: int) -> int:
+    """The largest power of two up to 256 dividing `ptr` (cuBLASLt's alignment preference)."""
+    return min(256, ptr & -ptr) if ptr else 256
+
+
+@dataclass(frozen=True)
+class GemmKey:
+    m: int
+    n: int
+    k: int
+    in_dtype: DType
+    out_dtype: DType
+    has_bias: bool
+    ld_x: int
+    ld_out: int
+    alignments: tuple[int, ...]  # x, weight, out, bias
+
+
+def gemm_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> GemmKey:
+    """Validate the operands and name their plan. x [M, K] (rows may be spaced), weight [N, K], out [M, N]."""
+    if x.ndim != 2 or weight.ndim != 2 or out.ndim != 2:
+        raise ValueError(f"gemm wants 2-D operands, got x {x.shape}, weight {weight.shape}, out {out.shape}")
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if k != k_w or out.shape != (m, n):
+        raise ValueError(f"gemm shapes do not match: x {x.shape} @ weight {weight.shape}^T -> out {out.shape}")
+    if x.dtype is not weight.dtype or x.dtype not in _DATA_TYPES:
+        raise ValueError(f"gemm needs x and weight of one float dtype, got {x.dtype.name} and {weight.dtype.name}")
+    if out.dtype not in (x.dtype, DType.float32):
+        raise ValueError(f"gemm output must be {x.dtype.name} or float32, got {out.dtype.name}")
+    if not (weight.is_contiguous and x.strides[1] == 1 and out.strides[1] == 1):
+        raise ValueError(f"gemm needs unit column strides and a contiguous weight: x {x}, weight {weight}, out {out}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype is not out.dtype):
+        raise ValueError(f"bias must be [{n}] {out.dtype.name}, got {bias.shape} {bias.dtype.name}")
+    ptrs = (x.ptr, weight.ptr, out.ptr, bias.ptr if bias is not None else 0)
+    return GemmKey(m, n, k, x.dtype, out.dtype, bias is not None, max(x.row_stride, k), max(out.row_stride, n),
+                   tuple(pointer_alignment(p) for p in ptrs))
+
+
+def _set_desc(desc: int, attr: lt.MatmulDescAttribute, value) -> None:
+    buf = np.array([value], dtype=lt.get_matmul_desc_attribute_dtype(attr))
+    lt.matmul_desc_set_attribute(desc, attr, buf.ctypes.data, buf.itemsize)
+
+
+def _set_pref(preference: int, attr: lt.MatmulPreferenceAttribute, value) -> None:
+    buf = np.array([value], dtype=lt.get_matmul_preference_attribute_dtype(attr))
+    lt.matmul_preference_set_attribute(preference, attr, buf.ctypes.data, buf.itemsize)
+
+
+class _Plan:
+    """Descriptors and the chosen algorithm for one GemmKey."""
+
+    def __init__(self, handle: int, key: GemmKey):
+        in_type, out_type = _DATA_TYPES[key.in_dtype], _DATA_TYPES[key.out_dtype]
+        self.desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F)
+        _set_desc(self.desc, lt.MatmulDescAttribute.TRANSA, cublas.Operation.T)
+        _set_desc(self.desc, lt.MatmulDescAttribute.TRANSB, cublas.Operation.N)
+        if key.has_bias:
+            _set_desc(self.desc, lt.MatmulDescAttribute.EPILOGUE, lt.Epilogue.BIAS)
+        self.a_layout = lt.matrix_layout_create(in_type, key.k, key.n, key.k)
+        self.b_layout = lt.matrix_layout_create(in_type, key.k, key.m, key.ld_x)
+        self.d_layout = lt.matrix_layout_create(out_type, key.n, key.m, key.ld_out)
+        self.algo = self._choose_algorithm(handle, key)[0]["algo"]  # keeps the struct's memory alive
+        self.algo_ptr = self.algo.ctypes.data
+
+    def _choose_algorithm(self, handle: int, key: GemmKey) -> lt.MatmulHeuristicResult:
+        x_align, w_align, out_align, _ = key.alignments
+        preference = lt.matmul_preference_create()
+        try:
+            attr = lt.MatmulPreferenceAttribute
+            _set_pref(preference, attr.MAX_WORKSPACE_BYTES, WORKSPACE_BYTES)
+            # A is the weight, B is x; C and D are both the output.
+            _set_pref(preference, attr.MIN_ALIGNMENT_A_BYTES, w_align)
+            _set_pref(preference, attr.MIN_ALIGNMENT_B_BYTES, x_align)
+            _set_pref(preference, attr.MIN_ALIGNMENT_C_BYTES, out_align)
+            _set_pref(preference, attr.MIN_ALIGNMENT_D_BYTES, out_align)
+            results = lt.MatmulHeuristicResult(1)
+            found = np.zeros(1, dtype=np.int32)
+            lt.matmul_algo_get_heuristic(handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
+                                         self.d_layout, preference, 1, results.ptr, found.ctypes.data)
+        finally:
+            lt.matmul_preference_destroy(preference)
+        if found[0] == 0:
+            raise GemmError(f"cuBLASLt has no algorithm for {key}")
+        return results
+
+    def destroy(self) -> None:
+        for layout in (self.a_layout, self.b_layout, self.d_layout):
+            lt.matrix_layout_destroy(layout)
+        lt.matmul_desc_destroy(self.desc)
+
+
+class Gemm:
+    """cuBLASLt matmuls on one stream, with one workspace and cached plans.
+
+    Capturable in CUDA graphs: the workspace and the host-side alpha/beta never move."""
+
+    def __init__(self, allocator: DeviceAllocator, stream: Stream):
+        ensure_context()
+        self.stream = stream
+        self.handle = lt.create()
+        self.workspace = allocator.empty((WORKSPACE_BYTES,), DType.uint8)
+        self._alpha = np.ones(1, dtype=np.float32)
+        self._beta = np.zeros(1, dtype=np.float32)
+        self._plans: dict[GemmKey, _Plan] = {}
+
+    def __call__(self, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+                 bias: DeviceTensor | None = None) -> None:
+        """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])."""
+        key = gemm_key(out, x, weight, bias)
+        if key.m == 0:
+            return
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(self.handle, key)
+        if bias is not None:
+            # The pointer is read when the matmul is enqueued (and baked into a captured graph).
+            _set_desc(plan.desc, lt.MatmulDescAttribute.BIAS_POINTER, bias.ptr)
+        try:
+            lt.matmul(self.handle, plan.desc, self._alpha.ctypes.data, weight.ptr, plan.a_layout, x.ptr, plan.b_layout,
+                      self._beta.ctypes.data, out.ptr, plan.d_layout, out.ptr, plan.d_layout, plan.algo_ptr,
+                      self.workspace.ptr, WORKSPACE_BYTES, int(self.stream.handle))
+        except lt.cuBLASLtError as err:
+            raise GemmError(f"cuBLASLt matmul failed for {key}: {err}") from err
+
+    @property
+    def num_plans(self) -> int:
+        return len(self._plans)
+
+    def close(self) -> None:
+        for plan in self._plans.values():
+            plan.destroy()
+        self._plans.clear()
+        lt.destroy(self.handle)

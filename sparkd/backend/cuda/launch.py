@@ -1,0 +1,68 @@
+"""Kernel launches: argument packing and cuLaunchKernel.
+
+Each argument is a DeviceTensor (passed as its pointer) or a numpy scalar whose
+type fixes the C type. A Python int or float is refused: its C width would be a
+guess, and a wrong guess shifts every later argument.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from cuda.bindings import driver
+
+from .driver import Stream, call, check, ensure_context
+from .tensor import DeviceTensor
+
+SCALAR_TYPES = (np.int32, np.uint32, np.int64, np.uint64, np.float32)
+_DEFAULT_DYNAMIC_SHARED = 48 * 1024  # more than this needs the function attribute raised
+
+
+def pack_args(args: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, pointers): one 8-byte slot per argument holding its value, and the
+    array of slot addresses cuLaunchKernel reads. Keep both alive until the launch returns."""
+    slots = np.zeros(len(args), dtype=np.uint64)
+    for i, arg in enumerate(args):
+        if isinstance(arg, DeviceTensor):
+            slots[i] = arg.ptr
+        elif isinstance(arg, SCALAR_TYPES):
+            # Little-endian: a narrower value sits at the start of its slot.
+            slots[i : i + 1].view(arg.dtype)[0] = arg
+        else:
+            raise TypeError(f"kernel argument {i} is a {type(arg).__name__}: pass a DeviceTensor or a numpy "
+                            f"scalar of one of {[t.__name__ for t in SCALAR_TYPES]} to fix its C type")
+    pointers = slots.ctypes.data + 8 * np.arange(len(args), dtype=np.uint64)
+    return slots, pointers
+
+
+def dim3(value) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+    if not 1 <= len(dims) <= 3 or any(int(d) < 1 for d in dims):
+        raise ValueError(f"grid/block dims must be 1 to 3 positive ints, got {value!r}")
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+class Kernel:
+    """A loaded kernel function; `launch` enqueues it on a stream."""
+
+    def __init__(self, name: str, function: driver.CUfunction):
+        self.name = name
+        self.function = function
+        self._dynamic_shared_limit = _DEFAULT_DYNAMIC_SHARED
+
+    def launch(self, grid, block, args: Sequence, shared_mem: int = 0, stream: Stream | None = None) -> None:
+        """stream None is the legacy default stream; the engine always passes its own."""
+        ensure_context()
+        if shared_mem > self._dynamic_shared_limit:
+            call(driver.cuFuncSetAttribute, self.function,
+                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+            self._dynamic_shared_limit = shared_mem
+        slots, pointers = pack_args(args)  # the driver copies the values during the call
+        handle = stream.handle if stream is not None else driver.CUstream(0)
+        check(driver.cuLaunchKernel(self.function, *dim3(grid), *dim3(block), shared_mem, handle,
+                                    pointers.ctypes.data if len(slots) else 0, 0),
+              f"launch of {self.name}")
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name})"

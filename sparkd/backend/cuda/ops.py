@@ -1,0 +1,225 @@
+"""`CudaOps`: the `Ops` interface on an NVIDIA GPU, through NVRTC kernels and cuBLASLt.
+
+Every op enqueues on one stream and returns at once; only `download` and `sample`
+wait for the device. Outputs come from the caching allocator, so a step's
+intermediates recycle the previous step's blocks.
+
+One deviation from the functional rule of `Ops`: `add_rmsnorm` updates `residual`
+in place and returns it as residual'. The models never read a residual after
+passing it on, and the in-place kernel saves a pass over [T, H] per norm.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+from cuda.bindings import driver
+
+from ..base import AttentionMetadata, RopeConfig, SamplerOutput, SamplingTensors
+from ..dtypes import DType
+from .attention_metadata import CudaAttentionMetadata
+from .driver import Event, Stream, call, init_device, memory_info
+from .gemm import Gemm
+from .kernels import activation, attention, elementwise, embedding, norm, rope_kv, sampling
+from .memory import DeviceAllocator, KVCachePlan, plan_kv_cache
+from .tensor import DeviceTensor, as_dtype
+from .transfer import StagingRing, copy_device, copy_to_host, decode, encode
+from .weights import ChunkedUploader
+
+log = logging.getLogger("sparkd.cuda")
+
+_MODEL_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
+_SMALL_UPLOAD = 1 << 20  # per-step inputs: one pinned staging copy; larger (weights): chunked
+_MIN_ROPE_POSITIONS = 4096
+
+
+class CudaOps:
+    name = "cuda"
+
+    def __init__(self, dtype="bfloat16", device_index: int = 0):
+        self.dtype = as_dtype(dtype)
+        if self.dtype not in _MODEL_DTYPES:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16 on CUDA, got {self.dtype.name}")
+        self.device = init_device(device_index)
+        self.stream = Stream()
+        self.allocator = DeviceAllocator()
+        self.staging = StagingRing(self.allocator, self.stream)
+        self.uploader = ChunkedUploader(self.stream)
+        self.gemm = Gemm(self.allocator, self.stream)
+        self._rope_tables: dict[tuple, DeviceTensor] = {}
+        log.info("CUDA backend on %s (%s, %d SMs, %.1f GiB), dtype %s", self.device.name, self.device.arch,
+                 self.device.sm_count, self.device.total_memory / 2**30, self.dtype.name)
+
+    # ---- memory ----
+    def upload(self, array: np.ndarray, dtype=None) -> DeviceTensor:
+        """Host array -> device tensor, in `dtype` if given (else the array's own dtype)."""
+        array = np.asarray(array)
+        target = as_dtype(dtype if dtype is not None else array.dtype)
+        if array.nbytes <= _SMALL_UPLOAD:
+            (tensor,) = self.staging.upload([encode(array, target)], dtypes=[target])
+            return tensor
+        out = self.allocator.empty(array.shape, target)
+        self.uploader.upload(out, array)
+        return out
+
+    def upload_many(self, arrays: Sequence[np.ndarray]) -> list[DeviceTensor]:
+        """Several small per-step arrays (int32/float32 ...) in one H2D copy."""
+        return self.staging.upload(list(arrays))
+
+    def download(self, x: DeviceTensor) -> np.ndarray:
+        """Waits for the stream; bf16 comes back as float32."""
+        if not x.is_contiguous:
+            x = self.contiguous(x)
+        raw = np.empty(x.shape, dtype=x.dtype.host)
+        copy_to_host(raw, x, self.stream)
+        return decode(raw, x.dtype)
+
+    def empty(self, shape: Sequence[int], dtype) -> DeviceTensor:
+        return self.allocator.empty(shape, dtype)
+
+    def zeros(self, shape: Sequence[int], dtype) -> DeviceTensor:
+        out = self.allocator.empty(shape, dtype)
+        call(driver.cuMemsetD8Async, out.ptr, 0, out.nbytes, self.stream.handle)
+        return out
+
+    def contiguous(self, x: DeviceTensor) -> DeviceTensor:
+        if x.is_contiguous:
+            return x
+        out = self.allocator.empty(x.shape, x.dtype)
+        copy_device(out, x, self.stream)
+        return out
+
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int) -> list[tuple[DeviceTensor, DeviceTensor]]:
+        """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in self.dtype, zeroed."""
+        self.uploader.progress.finish()  # the weights are in by the time the engine sizes the KV cache
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        return [(self.zeros(shape, self.dtype), self.zeros(shape, self.dtype)) for _ in range(num_layers)]
+
+    def plan_kv_cache(self, block_bytes: int, gpu_memory_utilization: float, reserve_bytes: int) -> KVCachePlan:
+        """Size the KV pool from free memory once the weights are loaded; logs it in GiB and blocks."""
+        self.stream.synchronize()  # pending uploads still hold the staging buffers, not device memory
+        free, total = memory_info()
+        plan = plan_kv_cache(free, total, gpu_memory_utilization, block_bytes, reserve_bytes)
+        log.info(plan.describe())
+        return plan
+
+    def prepare_attention(self, meta: AttentionMetadata) -> CudaAttentionMetadata:
+        """One H2D copy for the step's four metadata arrays."""
+        qsl, seq_lens, block_tables, slots = self.staging.upload([
+            meta.query_start_loc.astype(np.int32), meta.seq_lens.astype(np.int32),
+            meta.block_tables.astype(np.int32), meta.slot_mapping.astype(np.int32)])
+        return CudaAttentionMetadata(qsl, seq_lens, block_tables, slots, meta.max_query_len, meta.max_seq_len)
+
+    def record_event(self) -> Event:
+        """An event after all work enqueued so far; await `event.wait()` off the event loop."""
+        event = Event()
+        event.record(self.stream)
+        return event
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # ---- compute ----
+    def embedding(self, token_ids: DeviceTensor, table: DeviceTensor) -> DeviceTensor:
+        out = self.allocator.empty((token_ids.shape[0], table.shape[1]), table.dtype)
+        embedding.embedding(out, token_ids, table, self.stream)
+        return out
+
+    def rmsnorm(self, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
+        """x [..., D] (a strided [T, H, D] head view too) -> contiguous [..., D]."""
+        out = self.allocator.empty(x.shape, x.dtype)
+        norm.rmsnorm(out, x, weight, eps, self.stream)
+        return out
+
+    def add_rmsnorm(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
+                    eps: float) -> tuple[DeviceTensor, DeviceTensor]:
+        out = self.allocator.empty(x.shape, x.dtype)
+        norm.add_rmsnorm(out, residual, x, weight, eps, self.stream)
+        return out, residual
+
+    def linear(self, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None) -> DeviceTensor:
+        """x [T, K] (rows may be spaced), weight [N, K], bias [N] -> [T, N]."""
+        out = self.allocator.empty((x.shape[0], weight.shape[0]), x.dtype)
+        self.gemm(out, x, weight, bias)
+        return out
+
+    def split_heads(self, qkv: DeviceTensor, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
+        """Views, no copies: q [T, Hq, D], k and v [T, Hkv, D] with qkv's row stride."""
+        q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+        if qkv.shape[1] != q_width + 2 * kv_width:
+            raise ValueError(f"qkv width {qkv.shape[1]} != (Hq + 2 Hkv) * D = {q_width + 2 * kv_width}")
+        q = qkv.column_slice(0, q_width).split_last(num_q_heads, head_dim)
+        k = qkv.column_slice(q_width, kv_width).split_last(num_kv_heads, head_dim)
+        v = qkv.column_slice(q_width + kv_width, kv_width).split_last(num_kv_heads, head_dim)
+        return q, k, v
+
+    def rope_write_kv(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions: DeviceTensor,
+                      rope: RopeConfig, k_cache: DeviceTensor, v_cache: DeviceTensor,
+                      attn: CudaAttentionMetadata) -> DeviceTensor:
+        q_out = self.allocator.empty(q.shape, q.dtype)
+        cos_sin = self._rope_table(rope, attn.max_seq_len)
+        rope_kv.rope_write_kv(q_out, q, k, v, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, self.stream)
+        return q_out
+
+    def attention(self, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
+                  attn: CudaAttentionMetadata, scale: float) -> DeviceTensor:
+        out = self.allocator.empty(q.shape, q.dtype)
+        if not attn.is_decode_only:
+            attention.prefill_attention(out, q, k_cache, v_cache, attn, scale, self.stream)
+            return out
+        # Split-K partials; freed when this returns, so every layer reuses the same block.
+        numel = attention.decode_workspace_numel(q, k_cache, attn)
+        workspace = self.allocator.empty((numel,), DType.float32) if numel else None
+        attention.decode_attention(out, q, k_cache, v_cache, attn, scale, self.stream, workspace)
+        return out
+
+    def silu_and_mul(self, x: DeviceTensor) -> DeviceTensor:
+        out = self.allocator.empty((x.shape[0], x.shape[1] // 2), x.dtype)
+        activation.silu_and_mul(out, x, self.stream)
+        return out
+
+    def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
+        out = self.allocator.empty(x.shape, x.dtype)
+        elementwise.add(out, x, y, self.stream)
+        return out
+
+    def reshape(self, x: DeviceTensor, shape: Sequence[int]) -> DeviceTensor:
+        return x.view(shape)
+
+    def logits(self, hidden: DeviceTensor, indices: DeviceTensor, norm_weight: DeviceTensor, eps: float,
+               lm_head: DeviceTensor) -> DeviceTensor:
+        """Gather the rows, norm them, and run lm_head with fp32 output straight from cuBLASLt."""
+        rows = self.allocator.empty((indices.shape[0], hidden.shape[1]), hidden.dtype)
+        embedding.gather_rows(rows, hidden, indices, self.stream)
+        normed = self.rmsnorm(rows, norm_weight, eps)
+        out = self.allocator.empty((indices.shape[0], lm_head.shape[0]), DType.float32)
+        self.gemm(out, normed, lm_head)
+        return out
+
+    def sample(self, logits: DeviceTensor, params: SamplingTensors) -> SamplerOutput:
+        return sampling.sample(logits, params, self.staging, self.allocator, self.stream)
+
+    # ---- helpers ----
+    def _rope_table(self, rope: RopeConfig, max_seq_len: int) -> DeviceTensor:
+        """cos | sin [positions, rotary_dim] float32, attention scaling folded in.
+
+        Grown (by powers of two) only on the host's say-so, before a step is enqueued.
+        A decode graph is captured after a warm-up run at its longest context, so the
+        table it captured never has to grow."""
+        key = (rope.rotary_dim, rope.attention_scaling, rope.inv_freq.tobytes())
+        table = self._rope_tables.get(key)
+        if table is None or table.shape[0] < max_seq_len:
+            num_positions = max(_MIN_ROPE_POSITIONS, 1 << max(max_seq_len - 1, 1).bit_length())
+            table = self.upload(rope_cos_sin(rope, num_positions))
+            self._rope_tables[key] = table
+        return table
+
+
+def rope_cos_sin(rope: RopeConfig, num_positions: int) -> np.ndarray:
+    """[num_positions, rotary_dim] float32: cos(p * inv_freq) | sin(p * inv_freq), times attention_scaling."""
+    angles = np.arange(num_positions, dtype=np.float64)[:, None] * np.asarray(rope.inv_freq, np.float64)[None, :]
+    return (np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * rope.attention_scaling).astype(np.float32)

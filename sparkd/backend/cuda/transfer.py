@@ -1,0 +1,141 @@
+"""Host <-> device copies: pinned buffers, the per-step staging ring, host encodings.
+
+Copies from pageable memory make the driver synchronise with the stream first, so
+everything issued per step goes through pinned memory: the host never waits on
+the GPU while it prepares the next step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+from cuda.bindings import driver
+
+from ..dtypes import DType, bf16_bits_to_float32, float32_to_bf16_bits
+from .driver import Event, Stream, call, ensure_context
+from .memory import DeviceAllocator
+from .tensor import DeviceTensor, as_dtype
+
+ALIGNMENT = 256  # cuBLASLt and vector loads want 256-byte aligned operands
+
+
+def encode(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """Host data in the device representation of `dtype` (bf16 as uint16 bits), C-contiguous."""
+    if dtype is DType.bfloat16:
+        if array.dtype == np.uint16:
+            raise ValueError("a uint16 array is ambiguous as bfloat16 input: pass float values")
+        return float32_to_bf16_bits(np.asarray(array, dtype=np.float32))
+    return np.ascontiguousarray(array, dtype=dtype.host)
+
+
+def decode(raw: np.ndarray, dtype: DType) -> np.ndarray:
+    """The inverse of `encode`; bf16 comes back as float32."""
+    return bf16_bits_to_float32(raw) if dtype is DType.bfloat16 else raw
+
+
+def pack_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offsets placing buffers of `sizes` back to back, each ALIGNMENT-aligned; and the total."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGNMENT) * ALIGNMENT
+    return offsets, max(total, ALIGNMENT)
+
+
+class PinnedBuffer:
+    """Page-locked host memory; `.array` is a uint8 numpy view of all of it."""
+
+    def __init__(self, nbytes: int):
+        ensure_context()
+        self.nbytes = nbytes
+        self.ptr = int(call(driver.cuMemHostAlloc, nbytes, driver.CU_MEMHOSTALLOC_PORTABLE))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
+
+    def __del__(self):
+        if getattr(self, "ptr", 0):
+            driver.cuMemFreeHost(self.ptr)
+
+
+def copy_to_device(dst: DeviceTensor, host: np.ndarray, stream: Stream) -> None:
+    """Asynchronous H2D of a C-contiguous host array holding exactly dst's bytes.
+
+    Keep `host` alive and unchanged until the stream reaches the copy if it is pinned."""
+    if not dst.is_contiguous or host.nbytes != dst.nbytes or not host.flags.c_contiguous:
+        raise ValueError(f"cannot copy {host.nbytes} host bytes into {dst}")
+    if dst.nbytes:
+        call(driver.cuMemcpyHtoDAsync, dst.ptr, host.ctypes.data, dst.nbytes, stream.handle)
+
+
+def copy_to_host(host: np.ndarray, src: DeviceTensor, stream: Stream) -> None:
+    """D2H into a C-contiguous host array; returns after the copy has landed."""
+    if not src.is_contiguous or host.nbytes != src.nbytes or not host.flags.c_contiguous:
+        raise ValueError(f"cannot copy {src} into {host.nbytes} host bytes")
+    if src.nbytes:
+        call(driver.cuMemcpyDtoHAsync, host.ctypes.data, src.ptr, src.nbytes, stream.handle)
+    stream.synchronize()
+
+
+def copy_device(dst: DeviceTensor, src: DeviceTensor, stream: Stream) -> None:
+    """D2D copy of equal shapes. Either side may have spaced rows (a column slice)."""
+    if dst.shape != src.shape or dst.dtype is not src.dtype:
+        raise ValueError(f"copy needs equal shapes and dtypes, got {dst} <- {src}")
+    if not dst.nbytes:
+        return
+    if dst.is_contiguous and src.is_contiguous:
+        call(driver.cuMemcpyDtoDAsync, dst.ptr, src.ptr, dst.nbytes, stream.handle)
+        return
+    if not (dst.rows_contiguous and src.rows_contiguous):
+        raise ValueError(f"copy supports row-strided tensors only, got {dst} <- {src}")
+    item = dst.dtype.itemsize
+    params = driver.CUDA_MEMCPY2D()
+    params.srcMemoryType = params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    params.srcDevice, params.srcPitch = src.ptr, src.row_stride * item
+    params.dstDevice, params.dstPitch = dst.ptr, dst.row_stride * item
+    params.WidthInBytes = dst.nbytes // dst.shape[0]
+    params.Height = dst.shape[0]
+    call(driver.cuMemcpy2DAsync, params, stream.handle)
+
+
+class StagingRing:
+    """Per-step inputs: several host arrays packed into one pinned slot, one H2D copy.
+
+    A slot is rewritten only after the event of its previous copy has completed,
+    so the host may run steps ahead of the GPU without corrupting inputs in flight."""
+
+    def __init__(self, allocator: DeviceAllocator, stream: Stream, num_slots: int = 4, slot_bytes: int = 1 << 20):
+        self.allocator = allocator
+        self.stream = stream
+        self._slots = [PinnedBuffer(slot_bytes) for _ in range(num_slots)]
+        self._events = [Event() for _ in range(num_slots)]  # an event never recorded counts as complete
+        self._next = 0
+
+    def upload(self, arrays: Sequence[np.ndarray], dest: DeviceTensor | None = None,
+               dtypes: Sequence[DType] | None = None) -> list[DeviceTensor]:
+        """Copy `arrays`, already in their device representation, in one H2D copy.
+
+        dest: a uint8 device buffer laid out by `pack_layout` to copy into (graph
+        static inputs); by default a fresh one. dtypes: the device dtype of each
+        array when its host dtype does not say (bf16 bits). Returns a view per array."""
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        dtypes = dtypes or [as_dtype(a.dtype) for a in arrays]
+        offsets, total = pack_layout([a.nbytes for a in arrays])
+        if dest is None:
+            dest = self.allocator.empty((total,), DType.uint8)
+        elif dest.nbytes < total:
+            raise ValueError(f"staging destination of {dest.nbytes} bytes is smaller than the {total} bytes packed")
+        slot = self._claim_slot(total)
+        for array, offset in zip(arrays, offsets):
+            slot.array[offset : offset + array.nbytes] = array.view(np.uint8).reshape(-1)
+        call(driver.cuMemcpyHtoDAsync, dest.ptr, slot.ptr, total, self.stream.handle)
+        self._events[self._next].record(self.stream)
+        self._next = (self._next + 1) % len(self._slots)
+        return [DeviceTensor(dest.ptr + offset, a.shape, dtype, None, dest.owner)
+                for a, dtype, offset in zip(arrays, dtypes, offsets)]
+
+    def _claim_slot(self, nbytes: int) -> PinnedBuffer:
+        self._events[self._next].synchronize()
+        if self._slots[self._next].nbytes < nbytes:
+            self._slots[self._next] = PinnedBuffer(max(nbytes, 2 * self._slots[self._next].nbytes))
+        return self._slots[self._next]

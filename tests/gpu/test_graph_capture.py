@@ -1,0 +1,183 @@
+"""CUDA graph capture and replay, the abort-capture guard, and decode buckets.
+
+The fault-injection hook (SPARKD_TEST_FAIL_GRAPH_CAPTURE, test-only) makes a
+capture fail the way a real mistake does; the stream must stay usable and later
+steps must succeed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparkd.backend.base import AttentionMetadata
+from sparkd.backend.cuda.decode_graphs import pad_decode_inputs, pad_decode_shapes
+from sparkd.backend.cuda.graphs import FAIL_CAPTURE_ENV, bucket_for, default_buckets
+from sparkd.backend.dtypes import DType
+
+VOCAB = 11
+
+# out[b, v] = 1000 * token[b] + positions[b] + 0.5 * seq_lens[b] + v: every input shows in the logits.
+FAKE_LOGITS = """
+__global__ void fake_logits(float* out, const int* tokens, const int* positions, const int* seq_lens, int vocab) {
+  const int b = blockIdx.x, v = threadIdx.x;
+  if (v < vocab) out[b * vocab + v] = 1000.f * tokens[b] + positions[b] + 0.5f * seq_lens[b] + v;
+}
+"""
+
+
+def expected_logits(tokens, positions, seq_lens):
+    return (1000.0 * tokens + positions + 0.5 * seq_lens)[:, None] + np.arange(VOCAB)[None, :]
+
+
+def decode_meta(rng, batch, block_size=4, max_blocks=3):
+    seq_lens = rng.integers(1, block_size * max_blocks + 1, size=batch).astype(np.int32)
+    block_tables = rng.integers(0, 50, size=(batch, max_blocks)).astype(np.int32)
+    positions = seq_lens - 1
+    slots = block_tables[np.arange(batch), positions // block_size] * block_size + positions % block_size
+    return positions, AttentionMetadata(np.arange(batch + 1, dtype=np.int32), seq_lens, block_tables,
+                                        slots.astype(np.int32), 1, int(seq_lens.max()))
+
+
+# ---- host-only ----
+
+def test_default_buckets():
+    assert default_buckets(1) == [1]
+    assert default_buckets(5) == [1, 2, 4, 5]
+    assert default_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_for(3, [1, 2, 4, 8]) == 4 and bucket_for(9, [1, 2, 4, 8]) is None
+
+
+def test_padding_keeps_real_rows_and_makes_padding_harmless():
+    rng = np.random.default_rng(0)
+    positions, meta = decode_meta(rng, 3)
+    tokens = np.array([5, 6, 7], np.int32)
+    arrays = pad_decode_inputs(tokens, positions, meta, size=8, max_blocks=5)
+    assert [a.shape for a in arrays] == pad_decode_shapes(8, 5)
+    assert all(a.dtype == np.int32 for a in arrays)
+    token_ids, pos, qsl, seq_lens, tables, slots, logits_indices = arrays
+    np.testing.assert_array_equal(token_ids[:3], tokens)
+    np.testing.assert_array_equal(tables[:3, :3], meta.block_tables)
+    np.testing.assert_array_equal(slots[:3], meta.slot_mapping)
+    assert (slots[3:] == -1).all() and (seq_lens[3:] == 1).all() and (tables[3:] == 0).all()
+    np.testing.assert_array_equal(qsl, np.arange(9))
+    np.testing.assert_array_equal(logits_indices, np.arange(8))
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_decode_inputs(tokens, positions, meta, size=2, max_blocks=5)
+
+
+# ---- on the device ----
+
+@pytest.fixture
+def fake_forward(gpu, compile_test_kernel):
+    kernel = compile_test_kernel(FAKE_LOGITS, "fake_logits")
+    calls = []
+
+    def forward(inputs):
+        batch = inputs.token_ids.shape[0]
+        out = gpu.empty((batch, VOCAB), DType.float32)
+        kernel.launch(batch, 32, [out, inputs.token_ids, inputs.positions, inputs.attn.seq_lens, np.int32(VOCAB)],
+                      stream=gpu.stream)
+        calls.append(batch)
+        return out
+
+    forward.calls = calls
+    return forward
+
+
+def run_step(gpu, runner, forward, rng, batch):
+    from sparkd.backend.cuda.tensor import DeviceTensor
+
+    positions, meta = decode_meta(rng, batch)
+    tokens = rng.integers(0, 100, size=batch).astype(np.int32)
+    logits = runner.run(forward, tokens, positions, meta)
+    assert isinstance(logits, DeviceTensor) and logits.shape == (batch, VOCAB)
+    np.testing.assert_array_equal(gpu.download(logits), expected_logits(tokens, positions, meta.seq_lens))
+
+
+@pytest.mark.gpu
+def test_capture_then_replay_with_new_inputs(gpu, fake_forward):
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+
+    runner = DecodeGraphRunner(gpu, max_batch_size=8, max_blocks_per_seq=3, max_seq_len=12)
+    rng = np.random.default_rng(1)
+    try:
+        run_step(gpu, runner, fake_forward, rng, 3)  # warm-up + capture + replay of bucket 4
+        assert fake_forward.calls == [4, 4]
+        for batch in (3, 4, 2, 1, 4):  # replays only: the forward is not called again for seen buckets
+            run_step(gpu, runner, fake_forward, rng, batch)
+        assert fake_forward.calls == [4, 4, 2, 2, 1, 1]
+        assert not gpu.stream.is_capturing()
+    finally:
+        runner.close()
+
+
+@pytest.mark.gpu
+def test_steps_larger_than_every_bucket_run_eagerly(gpu, fake_forward):
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+
+    runner = DecodeGraphRunner(gpu, max_batch_size=4, max_blocks_per_seq=3, max_seq_len=12)
+    run_step(gpu, runner, fake_forward, np.random.default_rng(2), 6)
+    assert fake_forward.calls == [6]
+    runner.close()
+
+
+@pytest.mark.gpu
+def test_injected_capture_failure_fails_one_step_and_leaves_the_stream_usable(gpu, fake_forward, monkeypatch):
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+    from sparkd.backend.cuda.graphs import GraphCaptureError
+
+    runner = DecodeGraphRunner(gpu, max_batch_size=8, max_blocks_per_seq=3, max_seq_len=12)
+    rng = np.random.default_rng(3)
+    monkeypatch.setenv(FAIL_CAPTURE_ENV, "1")
+    with pytest.raises(GraphCaptureError) as info:
+        run_step(gpu, runner, fake_forward, rng, 2)
+    assert info.value.bucket == 2
+    assert not gpu.stream.is_capturing()
+    monkeypatch.delenv(FAIL_CAPTURE_ENV)
+    try:
+        for step in range(10):  # the failed bucket now runs eagerly; the others capture
+            run_step(gpu, runner, fake_forward, rng, 1 + step % 4)
+        assert runner._slots[2].eager_only and runner._slots[2].graph is None
+        assert runner._slots[4].graph is not None
+    finally:
+        runner.close()
+
+
+@pytest.mark.gpu
+def test_capture_guard_survives_an_illegal_call_inside_the_capture(gpu):
+    """A stream synchronize while capturing invalidates the capture (GPU-FACTS.md)."""
+    from sparkd.backend.cuda.driver import CudaError
+    from sparkd.backend.cuda.graphs import capture
+    from sparkd.backend.cuda.transfer import copy_device
+
+    src = gpu.upload(np.arange(64, dtype=np.float32))
+    dst = gpu.empty((64,), DType.float32)
+
+    def illegal():
+        copy_device(dst, src, gpu.stream)
+        gpu.stream.synchronize()
+
+    with pytest.raises(CudaError, match="CAPTURE"):
+        capture(gpu.stream, illegal)
+    assert not gpu.stream.is_capturing()
+    copy_device(dst, src, gpu.stream)
+    np.testing.assert_array_equal(gpu.download(dst), np.arange(64))
+
+
+@pytest.mark.gpu
+def test_a_captured_copy_replays_on_every_launch(gpu):
+    from sparkd.backend.cuda.graphs import capture
+    from sparkd.backend.cuda.transfer import copy_device, copy_to_device
+
+    src = gpu.upload(np.zeros(32, dtype=np.float32))
+    dst = gpu.empty((32,), DType.float32)
+    graph, _ = capture(gpu.stream, lambda: copy_device(dst, src, gpu.stream))
+    try:
+        for value in (1.0, 2.0, 3.0):
+            host = np.full(32, value, dtype=np.float32)
+            copy_to_device(src, host, gpu.stream)
+            graph.replay(gpu.stream)
+            np.testing.assert_array_equal(gpu.download(dst), host)
+    finally:
+        graph.destroy()
