@@ -1,0 +1,23 @@
+// Row gather: out[i] = table[ids[i]]. Serves the embedding lookup and the
+// gather of the last-position hidden rows before the final norm.
+//
+// The copy is dtype-blind: Word is the unit moved per thread, uint4 (16 bytes)
+// when the row size and the pointers allow it, else a 4- or 2-byte word.
+
+// out: [num_rows, row_words]  table: [table_rows, row_words]  ids: [num_rows] int32
+// An id outside [0, table_rows) yields a zero row rather than a wild read.
+// Launch: grid = num_rows blocks, block = up to 256 threads striding the row.
+template <typename Word>
+__global__ void gather_rows_kernel(Word* __restrict__ out, const Word* __restrict__ table,
+                                   const int* __restrict__ ids, int row_words, int table_rows) {
+  const int row = blockIdx.x;
+  const int id = ids[row];
+  Word* dst = out + static_cast<long long>(row) * row_words;
+  if (id < 0 || id >= table_rows) {
+    const Word zero{};
+    for (int i = threadIdx.x; i < row_words; i += blockDim.x) dst[i] = zero;
+    return;
+  }
+  const Word* src = table + static_cast<long long>(id) * row_words;
+  for (int i = threadIdx.x; i < row_words; i += blockDim.x) dst[i] = src[i];
+}

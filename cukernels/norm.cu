@@ -1,0 +1,110 @@
+// RMSNorm, plain and fused with the residual add, fp32 math.
+//
+//   rmsnorm:      out = x / sqrt(mean(x^2) + eps) * weight
+//   add_rmsnorm:  residual = x + residual (stored in T); out = rmsnorm(residual)
+//
+// The fused form normalises the residual as stored (rounded to T), as the
+// unfused HF graph does. Per-head q/k norm is the plain kernel over D-sized
+// rows of a [T, H, D] view.
+//
+// Launch shape (both kernels): block = (threads_per_row, rows_per_block), one
+// row group of threads_per_row (a multiple of 32, at most 1024) per row;
+// grid = ceil(rows / rows_per_block). Each thread keeps its slice of the row in
+// registers (at most kMaxElemsPerThread values), so the row is read once.
+#include "common.cuh"
+
+using namespace sparkd;
+
+constexpr int kMaxElemsPerThread = 16;
+
+// Holds up to kMaxElemsPerThread row values of one thread: chunk k covers
+// elements [(threadIdx.x + k * blockDim.x) * kVec, ... + kVec).
+template <int kVec>
+struct RowSlice {
+  static constexpr int kChunks = kMaxElemsPerThread / kVec;
+  float v[kChunks][kVec];
+
+  __device__ __forceinline__ static int offset(int k) { return (threadIdx.x + k * blockDim.x) * kVec; }
+};
+
+template <int kVec>
+__device__ __forceinline__ float sum_of_squares(const float (&v)[kVec]) {
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) sum += v[i] * v[i];
+  return sum;
+}
+
+// Scales the slice by weight / rms and writes it to out (a row of dim values).
+// sum_sq: this thread's share of the row's sum of squares. Every thread of the
+// block calls it; valid is false for threads past the last row, which join
+// the reduction without storing.
+template <typename T, int kVec>
+__device__ __forceinline__ void normalize_and_store(T* __restrict__ out, const RowSlice<kVec>& slice,
+                                                    float sum_sq, const T* __restrict__ weight, int dim,
+                                                    float eps, bool valid, float* scratch) {
+  sum_sq = row_group_reduce(sum_sq, SumOp{}, 0.f, scratch);
+  const float inv_rms = 1.f / sqrtf(sum_sq / static_cast<float>(dim) + eps);
+  if (!valid) return;
+#pragma unroll
+  for (int k = 0; k < RowSlice<kVec>::kChunks; ++k) {
+    const int col = RowSlice<kVec>::offset(k);
+    if (col >= dim) break;
+    float w[kVec], y[kVec];
+    load_floats<kVec>(weight + col, w);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) y[i] = slice.v[k][i] * inv_rms * w[i];
+    store_floats<kVec>(out + col, y);
+  }
+}
+
+// x: rows addressed as (outer, inner) = (r / inner_rows, r % inner_rows) at
+//    x + outer * stride_outer + inner * stride_inner (elements); dim contiguous.
+//    [T, H] uses inner_rows = 1; a [T, Hq, D] head view uses inner_rows = Hq.
+// out: [rows, dim] contiguous. weight: [dim].
+template <typename T, int kVec>
+__global__ void __launch_bounds__(1024)
+rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight, int rows,
+               int inner_rows, long long stride_outer, long long stride_inner, int dim, float eps) {
+  __shared__ float scratch[32 * 32];
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;
+  const bool valid = row < rows;
+  const T* src = x + (row / inner_rows) * stride_outer + (row % inner_rows) * stride_inner;
+  RowSlice<kVec> slice;
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < RowSlice<kVec>::kChunks; ++k) {
+    const int col = RowSlice<kVec>::offset(k);
+    if (!valid || col >= dim) break;
+    load_floats<kVec>(src + col, slice.v[k]);
+    sum_sq += sum_of_squares(slice.v[k]);
+  }
+  normalize_and_store<T, kVec>(out + static_cast<long long>(row) * dim, slice, sum_sq, weight, dim, eps,
+                               valid, scratch);
+}
+
+// out, residual, x: [rows, dim] contiguous; residual is updated in place.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(1024)
+add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ residual, const T* __restrict__ x,
+                   const T* __restrict__ weight, int rows, int dim, float eps) {
+  __shared__ float scratch[32 * 32];
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;
+  const bool valid = row < rows;
+  const long long base = static_cast<long long>(row) * dim;
+  RowSlice<kVec> slice;
+  float sum_sq = 0.f;
+#pragma unroll
+  for (int k = 0; k < RowSlice<kVec>::kChunks; ++k) {
+    const int col = RowSlice<kVec>::offset(k);
+    if (!valid || col >= dim) break;
+    float a[kVec], b[kVec];
+    load_floats<kVec>(x + base + col, a);
+    load_floats<kVec>(residual + base + col, b);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) slice.v[k][i] = to_float(from_float<T>(a[i] + b[i]));
+    store_floats<kVec>(residual + base + col, slice.v[k]);
+    sum_sq += sum_of_squares(slice.v[k]);
+  }
+  normalize_and_store<T, kVec>(out + base, slice, sum_sq, weight, dim, eps, valid, scratch);
+}

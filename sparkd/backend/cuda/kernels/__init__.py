@@ -1,0 +1,75 @@
+"""Kernel launchers, one module per `cukernels/` family.
+
+Each module exposes `SPECS` (every template instantiation it may launch, which
+`sparkd kernels build` compiles ahead of time) and launch functions that check
+their preconditions, pick the instantiation and grid, and enqueue on a stream.
+Outputs are passed in preallocated, so launches can be captured in CUDA graphs.
+
+Modules: activation, attention, embedding, logits, norm, rope_kv, sampling
+(plus elementwise, owned by the runtime).
+
+This file holds what the launchers share: the element types the kernels are
+templated on and the choice of vector width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from ...dtypes import DType
+from ..compiler import KernelSpec
+from ..tensor import DeviceTensor
+
+ELEMENT_TYPES = (DType.float32, DType.float16, DType.bfloat16)
+ACCESS_BYTES = 16  # the widest load/store a thread issues
+
+
+def vector_widths(dtype: DType) -> tuple[int, int]:
+    """The instantiated widths for `dtype`: scalar, and one 16-byte access."""
+    return 1, ACCESS_BYTES // dtype.itemsize
+
+
+def element_specs(source: str, kernel: str) -> list[KernelSpec]:
+    """`kernel<T, W>` for every element type T and both of its widths W."""
+    return [KernelSpec(source, element_name(kernel, dtype, width))
+            for dtype in ELEMENT_TYPES for width in vector_widths(dtype)]
+
+
+def element_name(kernel: str, dtype: DType, width: int) -> str:
+    return f"{kernel}<{dtype.c_type}, {width}>"
+
+
+def vector_width(dtype: DType, tensors: Iterable[DeviceTensor], extents: Iterable[int]) -> int:
+    """Elements per access: 16 bytes' worth when every tensor's address is 16-byte
+    aligned and every extent (a size or stride in elements) divides by it, else 1."""
+    width = vector_widths(dtype)[1]
+    aligned = all(t.ptr % ACCESS_BYTES == 0 for t in tensors)
+    return width if aligned and all(int(e) % width == 0 for e in extents) else 1
+
+
+def require(condition: bool, message: str) -> None:
+    """A launcher precondition: a clear ValueError instead of a wild device access."""
+    if not condition:
+        raise ValueError(message)
+
+
+def require_dtype(name: str, tensor: DeviceTensor, *dtypes: DType) -> None:
+    require(tensor.dtype in dtypes,
+            f"{name} must be {' or '.join(d.name for d in dtypes)}, got {tensor.dtype.name}")
+
+
+def require_contiguous(name: str, tensor: DeviceTensor) -> None:
+    require(tensor.is_contiguous, f"{name} must be contiguous, got strides {tensor.strides} for {tensor.shape}")
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def i32(value) -> np.int32:
+    """A kernel's int argument, refusing values that would wrap."""
+    value = int(value)
+    require(-2**31 <= value < 2**31, f"{value} does not fit a kernel's int argument")
+    return np.int32(value)

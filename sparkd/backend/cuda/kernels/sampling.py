@@ -1,0 +1,189 @@
+"""Token sampling on the device (cukernels/sampling.cu), the twin of
+sparkd/backend/cpu/sampler.py: same processing order, same Philox draws, so the
+chosen ids agree whenever no two candidates tie to within float rounding.
+
+For CudaOps:
+  sample(logits, params, staging, allocator, stream) -> SamplerOutput
+      the whole step: one H2D copy of the parameters, one kernel launch, one
+      D2H copy of the ids (and logprobs when params.num_logprobs >= 0).
+The pieces, for callers that keep inputs in static buffers (graphs):
+  upload_inputs(params, staging, dest=None) -> SamplingInputs
+  SamplerBuffers.allocate(allocator, num_rows, num_top)
+  launch_sample(out, logits, inputs, workspace, stream)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ...base import SamplerOutput, SamplingTensors
+from ...dtypes import DType
+from ..compiler import KernelSpec, get_kernel
+from ..driver import Stream
+from ..memory import DeviceAllocator
+from ..tensor import DeviceTensor
+from ..transfer import StagingRing, copy_to_host
+from . import i32, require, require_contiguous, require_dtype
+
+SPECS = [KernelSpec("sampling.cu", "sample_kernel")]
+_THREADS = 1024  # kThreads in sampling.cu
+MAX_TOP_LOGPROBS = 64  # kMaxTop in sampling.cu
+
+
+@dataclass
+class SamplingInputs:
+    """`SamplingTensors` on the device, field for field (B rows).
+
+    temperature, top_p, min_p, repetition/presence/frequency_penalty: [B] float32;
+    top_k: [B] int32; prompt/output/banned_token_ids: [B, P|L|S] int32 padded
+    with -1; seeds: [B] int64 holding the uint64 bits; steps: [B] int64.
+    needs_workspace: some row has a penalty or a banned id."""
+
+    temperature: DeviceTensor
+    top_k: DeviceTensor
+    top_p: DeviceTensor
+    min_p: DeviceTensor
+    repetition_penalty: DeviceTensor
+    presence_penalty: DeviceTensor
+    frequency_penalty: DeviceTensor
+    prompt_token_ids: DeviceTensor
+    output_token_ids: DeviceTensor
+    banned_token_ids: DeviceTensor
+    seeds: DeviceTensor
+    steps: DeviceTensor
+    needs_workspace: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_ID_FIELDS = ("prompt_token_ids", "output_token_ids", "banned_token_ids")
+
+
+def host_inputs(params: SamplingTensors) -> list[np.ndarray]:
+    """The arrays of `SamplingInputs`, in field order, in their device representation."""
+    arrays = []
+    for field in fields(SamplingInputs):
+        if field.name == "needs_workspace":
+            continue
+        value = getattr(params, field.name)
+        if field.name in _FLOAT_FIELDS:
+            arrays.append(np.asarray(value, np.float32))
+        elif field.name == "seeds":
+            arrays.append(np.asarray(value).astype(np.uint64).view(np.int64))
+        elif field.name == "steps":
+            arrays.append(np.asarray(value, np.int64))
+        else:
+            arrays.append(np.asarray(value, np.int32))
+    return arrays
+
+
+def upload_inputs(params: SamplingTensors, staging: StagingRing, dest: DeviceTensor | None = None) -> SamplingInputs:
+    """One H2D copy of the step's sampling parameters (into `dest` if given, see StagingRing.upload)."""
+    needs_workspace = bool(np.any(params.repetition_penalty != 1) or np.any(params.presence_penalty != 0)
+                           or np.any(params.frequency_penalty != 0) or np.any(params.banned_token_ids >= 0))
+    return SamplingInputs(*staging.upload(host_inputs(params), dest=dest), needs_workspace=needs_workspace)
+
+
+@dataclass
+class SamplerBuffers:
+    """One launch's device outputs, views of a single int32 allocation so that one
+    D2H copy brings them back: token_ids [B] int32, and when num_top >= 0
+    logprobs [B] float32, ranks [B] int32, top_ids [B, K] int32, top_logprobs [B, K] float32."""
+
+    storage: DeviceTensor
+    token_ids: DeviceTensor
+    logprobs: DeviceTensor
+    ranks: DeviceTensor
+    top_ids: DeviceTensor
+    top_logprobs: DeviceTensor
+    num_top: int  # K, or -1 for no logprobs
+
+    @classmethod
+    def allocate(cls, allocator: DeviceAllocator, num_rows: int, num_top: int) -> SamplerBuffers:
+        top = max(num_top, 0)
+        shapes = [((num_rows,), DType.int32), ((num_rows,), DType.float32), ((num_rows,), DType.int32),
+                  ((num_rows, top), DType.int32), ((num_rows, top), DType.float32)]
+        if num_top < 0:
+            shapes = shapes[:1]
+        storage = allocator.empty((sum(int(np.prod(shape)) for shape, _ in shapes),), DType.int32)
+        views, offset = [], 0
+        for shape, dtype in shapes:
+            views.append(DeviceTensor(storage.ptr + 4 * offset, shape, dtype, None, storage.owner))
+            offset += int(np.prod(shape))
+        views += [views[0]] * (5 - len(views))  # unused outputs; the kernel never touches them
+        return cls(storage, *views, num_top=num_top)
+
+    def download(self, stream: Stream) -> SamplerOutput:
+        """Waits for the stream; ids come back as int64 as the CPU sampler returns them."""
+        host = np.empty(self.storage.shape, np.int32)
+        copy_to_host(host, self.storage, stream)
+        num_rows = self.token_ids.shape[0]
+        token_ids = host[:num_rows].astype(np.int64)
+        if self.num_top < 0:
+            return SamplerOutput(token_ids=token_ids)
+        top_end = 3 * num_rows + num_rows * self.num_top
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=host[num_rows : 2 * num_rows].view(np.float32).copy(),
+            ranks=host[2 * num_rows : 3 * num_rows].astype(np.int64),
+            top_ids=host[3 * num_rows : top_end].reshape(num_rows, self.num_top).astype(np.int64),
+            top_logprobs=host[top_end:].view(np.float32).reshape(num_rows, self.num_top).copy(),
+        )
+
+
+def num_top_logprobs(num_logprobs: int, vocab_size: int) -> int:
+    """K for `SamplerBuffers`: -1 (no logprobs) or min(num_logprobs, V)."""
+    if num_logprobs < 0:
+        return -1
+    require(num_logprobs <= MAX_TOP_LOGPROBS, f"num_logprobs must be at most {MAX_TOP_LOGPROBS}, got {num_logprobs}")
+    return min(num_logprobs, vocab_size)
+
+
+def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInputs,
+                  workspace: DeviceTensor | None, stream: Stream) -> None:
+    """Enqueue the sampling kernel: one block per row of logits [B, V] float32 (raw).
+
+    workspace: [B, V] float32 scratch for the penalised rows; may be None when
+    `inputs.needs_workspace` is false. Capturable: no host sync, no allocation."""
+    require(logits.ndim == 2, f"logits must be [B, V], got shape {logits.shape}")
+    require_dtype("logits", logits, DType.float32)
+    require_contiguous("logits", logits)
+    num_rows, vocab_size = logits.shape
+    require(inputs.num_rows == num_rows, f"sampling inputs have {inputs.num_rows} rows, logits {num_rows}")
+    require(out.token_ids.shape == (num_rows,), f"outputs are for {out.token_ids.shape[0]} rows, logits have {num_rows}")
+    require(out.num_top <= min(vocab_size, MAX_TOP_LOGPROBS), f"num_top {out.num_top} exceeds min(V, {MAX_TOP_LOGPROBS})")
+    for name in _ID_FIELDS:
+        ids = getattr(inputs, name)
+        require(ids.ndim == 2 and ids.shape[0] == num_rows, f"{name} must be [B={num_rows}, n], got {ids.shape}")
+    if inputs.needs_workspace:
+        require(workspace is not None and workspace.shape == logits.shape and workspace.dtype is DType.float32,
+                f"penalties or banned ids need a float32 workspace of shape {logits.shape}, got {workspace}")
+        require_contiguous("workspace", workspace)
+    if num_rows == 0:
+        return
+    kernel = get_kernel(SPECS[0])
+    args = [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs,
+            workspace if workspace is not None else np.uint64(0), logits, i32(vocab_size),
+            inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.repetition_penalty,
+            inputs.presence_penalty, inputs.frequency_penalty,
+            inputs.prompt_token_ids, i32(inputs.prompt_token_ids.shape[1]),
+            inputs.output_token_ids, i32(inputs.output_token_ids.shape[1]),
+            inputs.banned_token_ids, i32(inputs.banned_token_ids.shape[1]),
+            inputs.seeds, inputs.steps, i32(out.num_top)]
+    kernel.launch(num_rows, _THREADS, args, stream=stream)
+
+
+def sample(logits: DeviceTensor, params: SamplingTensors, staging: StagingRing, allocator: DeviceAllocator,
+           stream: Stream) -> SamplerOutput:
+    """`Ops.sample` on the device: logits [B, V] float32 -> SamplerOutput (waits for the stream)."""
+    inputs = upload_inputs(params, staging)
+    num_rows, vocab_size = logits.shape
+    out = SamplerBuffers.allocate(allocator, num_rows, num_top_logprobs(params.num_logprobs, vocab_size))
+    workspace = allocator.empty(logits.shape, DType.float32) if inputs.needs_workspace else None
+    launch_sample(out, logits, inputs, workspace, stream)
+    return out.download(stream)

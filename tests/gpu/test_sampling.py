@@ -1,0 +1,170 @@
+"""Device sampling vs the numpy sampler (sparkd/backend/cpu/sampler.py).
+
+The two share the processing order and the Philox draws, so on fp32 logits the
+chosen ids must be identical (random logits make float near-ties vanishingly
+rare). Logprobs compare by relative error max |gpu - ref| / max |ref| <= 1e-5;
+ranks and top ids exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparkd.backend.base import SamplingTensors
+from sparkd.backend.cpu.sampler import sample as reference_sample
+from sparkd.backend.cuda.kernels import sampling
+
+pytestmark = pytest.mark.gpu
+VOCABS = [1, 7, 1000, 32000, 151936]
+
+
+def llm_like_logits(rng, rows: int, vocab: int) -> np.ndarray:
+    """A broad background plus a few strong candidates per row, as real logits look."""
+    logits = 3 * rng.standard_normal((rows, vocab), dtype=np.float32)
+    for row in logits:
+        row[rng.integers(0, vocab, size=min(vocab, 5))] += 8
+    return logits
+
+
+def sampling_tensors(rng, rows: int, **fields) -> SamplingTensors:
+    """Neutral parameters (temperature 1, no filters, no penalties) with `fields` overridden."""
+    no_ids = np.full((rows, 0), -1, np.int32)
+    params = {
+        "temperature": np.ones(rows, np.float32), "top_k": np.zeros(rows, np.int32),
+        "top_p": np.ones(rows, np.float32), "min_p": np.zeros(rows, np.float32),
+        "repetition_penalty": np.ones(rows, np.float32), "presence_penalty": np.zeros(rows, np.float32),
+        "frequency_penalty": np.zeros(rows, np.float32), "prompt_token_ids": no_ids, "output_token_ids": no_ids,
+        "banned_token_ids": no_ids, "seeds": rng.integers(0, 2**64, size=rows, dtype=np.uint64),
+        "steps": rng.integers(0, 2**40, size=rows, dtype=np.int64), "num_logprobs": -1,
+    }
+    return SamplingTensors(**(params | fields))
+
+
+def sample_both(gpu, logits: np.ndarray, params: SamplingTensors):
+    """(device SamplerOutput, reference SamplerOutput); also checks the raw logits stay untouched."""
+    device_logits = gpu.upload(logits)
+    got = sampling.sample(device_logits, params, gpu.staging, gpu.allocator, gpu.stream)
+    np.testing.assert_array_equal(gpu.download(device_logits), logits)
+    return got, reference_sample(logits, params)
+
+
+def pick(rng, choices, rows, dtype):
+    return np.asarray(choices, dtype)[rng.integers(0, len(choices), size=rows)]
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_greedy_takes_the_lowest_id_among_ties(gpu, vocab):
+    rng = np.random.default_rng(vocab)
+    rows = 6
+    logits = llm_like_logits(rng, rows, vocab)
+    for row in logits[::2]:
+        row[rng.integers(0, vocab, size=3)] = row.max() + 1  # a tie at the top
+    params = sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32))
+    got, expected = sample_both(gpu, logits, params)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+    np.testing.assert_array_equal(got.token_ids, np.argmax(logits, axis=1))
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_filtered_draws_match_the_reference(gpu, vocab):
+    rng = np.random.default_rng(vocab + 1)
+    rows = 8 if vocab > 50000 else 32
+    logits = llm_like_logits(rng, rows, vocab)
+    params = sampling_tensors(
+        rng, rows,
+        temperature=pick(rng, [0.3, 0.7, 1.0, 1.6], rows, np.float32),
+        top_k=pick(rng, [0, 1, 3, 50, vocab, vocab + 5], rows, np.int32),
+        top_p=pick(rng, [1.0, 0.95, 0.6, 0.1], rows, np.float32),
+        min_p=pick(rng, [0.0, 0.0, 0.05, 0.3], rows, np.float32))
+    for step in range(3):  # fresh uniforms each step
+        params.steps = params.steps + 1
+        got, expected = sample_both(gpu, logits, params)
+        np.testing.assert_array_equal(got.token_ids, expected.token_ids, err_msg=f"step {step}")
+
+
+def test_tied_logits_keep_whole_tie_groups(gpu):
+    """Coarse logits (many exact ties): top-k and top-p keep every token tied at the cut."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 32, 4000
+    logits = np.round(2 * rng.standard_normal((rows, vocab))).astype(np.float32)
+    params = sampling_tensors(rng, rows, top_k=pick(rng, [0, 2, 40, 700], rows, np.int32),
+                              top_p=pick(rng, [1.0, 0.5, 0.9], rows, np.float32))
+    got, expected = sample_both(gpu, logits, params)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+
+
+@pytest.mark.parametrize("vocab", [1000, 50000])
+def test_penalties_and_bans_match_the_reference(gpu, vocab):
+    rng = np.random.default_rng(vocab + 2)
+    rows = 24
+    logits = llm_like_logits(rng, rows, vocab)
+    prompt = np.full((rows, 40), -1, np.int32)
+    output = np.full((rows, 30), -1, np.int32)
+    banned = np.full((rows, 3), -1, np.int32)
+    for row in range(rows):
+        favourites = np.argsort(-logits[row])[:10]  # penalise ids that would otherwise win
+        n_prompt, n_output = rng.integers(0, 41), rng.integers(0, 31)
+        prompt[row, :n_prompt] = rng.choice(np.r_[favourites, rng.integers(0, vocab, 30)], size=n_prompt)
+        output[row, :n_output] = rng.choice(favourites[:4], size=n_output)  # repeats: counts > 1
+        if row % 3 == 0:
+            banned[row, :2] = favourites[:2]
+    params = sampling_tensors(
+        rng, rows,
+        temperature=pick(rng, [0.0, 0.8, 1.0], rows, np.float32),
+        top_k=pick(rng, [0, 20], rows, np.int32), top_p=pick(rng, [1.0, 0.9], rows, np.float32),
+        repetition_penalty=pick(rng, [1.0, 1.3, 0.7], rows, np.float32),
+        presence_penalty=pick(rng, [0.0, 0.5, -0.4], rows, np.float32),
+        frequency_penalty=pick(rng, [0.0, 0.3, -0.2], rows, np.float32),
+        prompt_token_ids=prompt, output_token_ids=output, banned_token_ids=banned)
+    got, expected = sample_both(gpu, logits, params)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+    assert not np.any(got.token_ids[::3, None] == banned[::3, :2])
+
+
+def test_all_banned_row_draws_id_zero_like_the_reference(gpu):
+    rng = np.random.default_rng(4)
+    logits = llm_like_logits(rng, 2, 5)
+    banned = np.tile(np.arange(5, dtype=np.int32), (2, 1))
+    params = sampling_tensors(rng, 2, temperature=np.array([0, 1], np.float32), banned_token_ids=banned)
+    got, expected = sample_both(gpu, logits, params)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+    np.testing.assert_array_equal(got.token_ids, [0, 0])
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 5003])
+@pytest.mark.parametrize("num_logprobs", [0, 1, 5, 20])
+def test_logprobs_ranks_and_top_ids_match_the_reference(gpu, rel_error, vocab, num_logprobs):
+    rng = np.random.default_rng(vocab * 100 + num_logprobs)
+    rows = 12
+    logits = llm_like_logits(rng, rows, vocab)
+    params = sampling_tensors(rng, rows, temperature=pick(rng, [0.0, 1.0], rows, np.float32),
+                              repetition_penalty=pick(rng, [1.0, 1.5], rows, np.float32),
+                              output_token_ids=rng.integers(0, vocab, size=(rows, 4)).astype(np.int32),
+                              num_logprobs=num_logprobs)
+    got, expected = sample_both(gpu, logits, params)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+    assert rel_error(got.logprobs, expected.logprobs) <= 1e-5
+    np.testing.assert_array_equal(got.ranks, expected.ranks)
+    np.testing.assert_array_equal(got.top_ids, expected.top_ids)
+    assert rel_error(got.top_logprobs, expected.top_logprobs) <= 1e-5
+
+
+def test_top_logprob_ties_prefer_lower_ids(gpu):
+    """Ties straddling the K-th place: the lower ids win (the reference leaves that order
+    to np.argpartition, so compare with a stable sort instead)."""
+    rng = np.random.default_rng(5)
+    rows, vocab, k = 4, 3000, 20
+    logits = np.round(rng.standard_normal((rows, vocab))).astype(np.float32)
+    params = sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32), num_logprobs=k)
+    device_logits = gpu.upload(logits)
+    got = sampling.sample(device_logits, params, gpu.staging, gpu.allocator, gpu.stream)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    np.testing.assert_array_equal(got.top_ids, np.argsort(-logprobs, axis=1, kind="stable")[:, :k])
+
+
+def test_rejects_too_many_logprobs(gpu):
+    rng = np.random.default_rng(6)
+    params = sampling_tensors(rng, 1, num_logprobs=sampling.MAX_TOP_LOGPROBS + 1)
+    with pytest.raises(ValueError, match="num_logprobs must be at most"):
+        sampling.sample(gpu.upload(np.zeros((1, 100), np.float32)), params, gpu.staging, gpu.allocator, gpu.stream)

@@ -1,0 +1,170 @@
+"""The non-attention kernels at Llama-3.1-8B shapes: time per call and bandwidth as a
+fraction of the device-to-device copy rate measured in the same run.
+
+  python tools/bench_kernels.py [--dtype bfloat16] [--tokens 1 64 8192] [--iters 50]
+
+Bytes count what a kernel must read plus write at least once (the copy rate counts
+read plus written too), so 1.0 is the ceiling. At one token the data sit in L2 and
+the figure mostly shows launch latency inside a graph (a few microseconds), which
+is what a decode step pays. Sampling runs on fp32 logits [B, V]; its "bytes" are one
+read of the logits, so the ratio says how many passes over the row it costs.
+The timed launches are replayed from one CUDA graph, so Python launch overhead is
+not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_gemm import copy_bandwidth, timed_graph
+from cuda.bindings import driver
+
+from sparkd.backend.cuda.driver import Stream, call, init_device
+from sparkd.backend.cuda.kernels import (
+    activation,
+    embedding,
+    logits,
+    norm,
+    rope_kv,
+    sampling,
+)
+from sparkd.backend.cuda.memory import DeviceAllocator
+from sparkd.backend.cuda.transfer import StagingRing, copy_to_device, encode
+from sparkd.backend.dtypes import DType
+from sparkd.engine.request import Request
+from sparkd.engine.sampling_batch import build_sampling_tensors
+from sparkd.engine.sampling_params import SamplingParams
+
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 4096, 32, 8, 128, 14336, 128256
+BLOCK_SIZE = 16
+_ONE_BITS = {DType.bfloat16: 0x3F80, DType.float16: 0x3C00}
+
+
+class Bench:
+    def __init__(self, dtype: DType, iters: int):
+        self.device = init_device()
+        self.dtype = dtype
+        self.iters = iters
+        self.stream = Stream()
+        self.allocator = DeviceAllocator()
+        self.staging = StagingRing(self.allocator, self.stream)
+        self.copy_rate = copy_bandwidth(self.allocator, self.stream)
+        self.rng = np.random.default_rng(0)
+
+    def ones(self, shape, dtype: DType | None = None):
+        """A tensor of 1.0 (values do not change these kernels' timing)."""
+        dtype = dtype or self.dtype
+        out = self.allocator.empty(shape, dtype)
+        if dtype is DType.float32:
+            call(driver.cuMemsetD32Async, out.ptr, 0x3F800000, out.numel, self.stream.handle)
+        else:
+            call(driver.cuMemsetD16Async, out.ptr, _ONE_BITS[dtype], out.numel, self.stream.handle)
+        return out
+
+    def upload(self, array: np.ndarray, dtype: DType):
+        out = self.allocator.empty(array.shape, dtype)
+        copy_to_device(out, encode(array, dtype), self.stream)
+        self.stream.synchronize()  # the host array is pageable and local
+        return out
+
+    def report(self, name: str, shape: str, work, nbytes: float) -> None:
+        seconds = timed_graph(self.stream, work, self.iters)
+        rate = nbytes / seconds
+        print(f"| {name} | {shape} | {seconds * 1e6:.1f} | {rate / 1e9:.0f} | {rate / self.copy_rate:.2f} |", flush=True)
+
+
+def bench_layer_ops(b: Bench, tokens: int) -> None:
+    item = b.dtype.itemsize
+    table = b.ones((VOCAB, HIDDEN))
+    ids = b.upload(b.rng.integers(0, VOCAB, size=tokens).astype(np.int32), DType.int32)
+    hidden = b.ones((tokens, HIDDEN))
+    out = b.allocator.empty((tokens, HIDDEN), b.dtype)
+    b.report("embedding", f"{tokens}x{HIDDEN}", lambda: embedding.embedding(out, ids, table, b.stream),
+             2 * tokens * HIDDEN * item)
+
+    weight = b.ones((HIDDEN,))
+    b.report("rmsnorm", f"{tokens}x{HIDDEN}", lambda: norm.rmsnorm(out, hidden, weight, 1e-5, b.stream),
+             2 * tokens * HIDDEN * item)
+    residual = b.ones((tokens, HIDDEN))
+    b.report("add_rmsnorm", f"{tokens}x{HIDDEN}",
+             lambda: norm.add_rmsnorm(out, residual, hidden, weight, 1e-5, b.stream), 4 * tokens * HIDDEN * item)
+
+    width = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = b.ones((tokens, width))
+    q, k, v = (qkv.column_slice(start, heads * HEAD_DIM).split_last(heads, HEAD_DIM) for start, heads in
+               ((0, Q_HEADS), (Q_HEADS * HEAD_DIM, KV_HEADS), ((Q_HEADS + KV_HEADS) * HEAD_DIM, KV_HEADS)))
+    q_out = b.allocator.empty(q.shape, b.dtype)
+    head_weight = b.ones((HEAD_DIM,))
+    b.report("q head norm", f"{tokens}x{Q_HEADS}x{HEAD_DIM}",
+             lambda: norm.rmsnorm(q_out, q, head_weight, 1e-6, b.stream), 2 * q.numel * item)
+
+    num_blocks = -(-tokens // BLOCK_SIZE)
+    k_cache = b.ones((num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM))
+    v_cache = b.ones((num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM))
+    positions = b.upload(np.arange(tokens, dtype=np.int32), DType.int32)
+    slots = b.upload(b.rng.permutation(num_blocks * BLOCK_SIZE)[:tokens].astype(np.int32), DType.int32)
+    cos_sin = b.ones((max(tokens, 1), HEAD_DIM), DType.float32)
+    b.report("rope_write_kv", f"{tokens}x({Q_HEADS}+2x{KV_HEADS})x{HEAD_DIM}",
+             lambda: rope_kv.rope_write_kv(q_out, q, k, v, positions, cos_sin, k_cache, v_cache, slots, b.stream),
+             2 * tokens * width * item)
+
+    gate_up = b.ones((tokens, 2 * INTERMEDIATE))
+    act = b.allocator.empty((tokens, INTERMEDIATE), b.dtype)
+    b.report("silu_and_mul", f"{tokens}x2x{INTERMEDIATE}", lambda: activation.silu_and_mul(act, gate_up, b.stream),
+             3 * tokens * INTERMEDIATE * item)
+
+
+def bench_logits_and_sampling(b: Bench, rows: int) -> None:
+    half_logits = b.ones((rows, VOCAB))
+    fp32_logits = b.allocator.empty((rows, VOCAB), DType.float32)
+    b.report("to_float32", f"{rows}x{VOCAB}", lambda: logits.to_float32(fp32_logits, half_logits, b.stream),
+             rows * VOCAB * (b.dtype.itemsize + 4))
+
+    raw = b.upload(3 * b.rng.standard_normal((rows, VOCAB), dtype=np.float32), DType.float32)
+    prompt = b.rng.integers(0, VOCAB, size=1024).tolist()
+    workspace = b.allocator.empty((rows, VOCAB), DType.float32)
+    for mode, params in {
+        "greedy": SamplingParams(temperature=0.0),
+        "temperature": SamplingParams(),
+        "top-k 50 + top-p 0.9": SamplingParams(top_k=50, top_p=0.9),
+        "top-p 0.9 + 5 logprobs": SamplingParams(top_p=0.9, logprobs=5),
+        "repetition penalty, 1k prompt": SamplingParams(repetition_penalty=1.2),
+    }.items():
+        tensors = build_sampling_tensors([Request(str(i), prompt, params, seed=i) for i in range(rows)])
+        inputs = sampling.upload_inputs(tensors, b.staging)
+        out = sampling.SamplerBuffers.allocate(b.allocator, rows, sampling.num_top_logprobs(tensors.num_logprobs, VOCAB))
+        b.report(f"sample: {mode}", f"{rows}x{VOCAB}",
+                 partial(sampling.launch_sample, out, raw, inputs, workspace, b.stream), rows * VOCAB * 4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 8192])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64], help="sampling batch sizes")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+
+    bench = Bench(DType.parse(args.dtype), args.iters)
+    print(f"# {bench.device.name} ({bench.device.arch}), {args.dtype}; device-to-device copy "
+          f"{bench.copy_rate / 1e12:.2f} TB/s (read + written)")
+    print("| kernel | shape | us/call | GB/s | fraction of copy |")
+    print("| --- | --- | --- | --- | --- |")
+    for tokens in args.tokens:
+        bench_layer_ops(bench, tokens)
+        bench.stream.synchronize()
+        bench.allocator.release_cached()
+    for rows in args.rows:
+        bench_logits_and_sampling(bench, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
