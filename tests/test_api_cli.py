@@ -1,0 +1,67 @@
+"""The `sparkd` command: --version, help, subcommand plug-ins, flag errors, and `generate`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import sparkd
+from server_fixtures import REPO_ROOT
+from sparkd.cli import main as cli_main
+
+
+def sparkd_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "sparkd.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT, env=env)
+
+
+def test_version():
+    out = sparkd_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"sparkd {sparkd.__version__}"
+
+
+def test_help_lists_the_commands_and_vllm_flags():
+    assert {"serve", "generate"} <= set(cli_main.build_parser()._subparsers._group_actions[0].choices)
+    out = sparkd_cli("serve", "--help")
+    for flag in ("--model", "--served-model-name", "--host", "--port", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
+                 "--api-key", "--device", "--dtype", "--gpu-memory-utilization"):
+        assert flag in out.stdout
+
+
+def test_optional_subcommands_plug_in(tmp_path, monkeypatch):
+    (tmp_path / "fake_kernels.py").write_text(
+        "def add_parser(subparsers):\n"
+        "    p = subparsers.add_parser('kernels')\n"
+        "    p.add_argument('action', choices=['build'])\n"
+        "    p.set_defaults(func=lambda args: 7 if args.action == 'build' else 0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli_main, "_OPTIONAL_COMMANDS", ("fake_kernels", "no_such_module_here"))
+    assert cli_main.main(["kernels", "build"]) == 7
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--block-size", "0"], "block_size must be positive"),
+    (["serve", "--model", "/nonexistent/dir"], "no config.json"),
+    (["generate", "--max-tokens", "0", "x"], "max_tokens must be"),
+])
+def test_bad_flags_exit_with_a_message(args, message):
+    out = sparkd_cli(*args)
+    assert out.returncode != 0
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_generate_streams_what_the_server_generates(server, served_model_dir):
+    """Greedy `sparkd generate` prints exactly the greedy completion the server returns."""
+    prompt, n = "The asyncio module", 8
+    out = sparkd_cli("generate", "--model", str(served_model_dir), "--device", "cpu", "--temperature", "0",
+                     "--max-tokens", str(n), prompt)
+    assert out.returncode == 0, out.stderr
+    with server.client() as client:
+        expected = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0}).json()
+    assert out.stdout == expected["choices"][0]["text"] + "\n"
+    assert f"{expected['usage']['completion_tokens']} tokens in" in out.stderr
