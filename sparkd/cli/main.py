@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import importlib.util
-import logging
-import sys
+import os
 
-from .. import __version__
-from . import generate, serve
+# The numpy backend runs one forward at a time beside the event loop. OpenBLAS's
+# own thread pool spins against that loop and, on a shared or small machine,
+# made prefill 10-25x slower in our measurements (docs/benchmarks.md). It must be
+# set before numpy loads; an explicit setting by the user wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-# Subcommands owned elsewhere, plugged in when their module is present: each
-# module provides add_parser(subparsers), which sets `func` with set_defaults.
-_OPTIONAL_COMMANDS = ("sparkd.cli.kernels",)
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from .. import __version__  # noqa: E402
+from . import generate, kernels, serve  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(subparsers)
     generate.add_parser(subparsers)
-    for name in _OPTIONAL_COMMANDS:
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name).add_parser(subparsers)
+    kernels.add_parser(subparsers)
     return parser
 
 
