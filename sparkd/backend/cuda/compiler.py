@@ -184,8 +184,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def all_kernel_specs() -> list[KernelSpec]:
     """Every `SPECS` entry of the launcher modules in sparkd/backend/cuda/kernels/."""
     package_name = f"{__package__}.kernels"
-    if importlib.util.find_spec(package_name) is None:
-        return []
     package = importlib.import_module(package_name)
     specs: dict[KernelSpec, None] = {}
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
