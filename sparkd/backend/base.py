@@ -22,6 +22,10 @@ import numpy as np
 Tensor = Any
 
 
+class DeviceLostError(RuntimeError):
+    """A sticky device error: the backend is unusable until the process restarts."""
+
+
 @dataclass
 class AttentionMetadata:
     """Where each sequence of a flattened step lives, in host numpy arrays.
@@ -136,6 +140,13 @@ class Ops(Protocol):
     ) -> list[tuple[Tensor, Tensor]]:
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in `self.dtype`, zeroed."""
 
+    def bind_thread(self) -> None:
+        """Make the backend usable from the calling thread (CUDA: make its context current)."""
+
+    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int) -> Any:
+        """Something with `run(forward, token_ids, positions, meta) -> logits` that replays
+        decode steps from captured graphs, or None where the backend has no graphs."""
+
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         """Upload/plan a step's attention metadata once; the result is passed to
         every layer's `attention` and `rope_write_kv` call of that step."""
@@ -148,7 +159,8 @@ class Ops(Protocol):
         """RMSNorm over the last dim in fp32. x [..., D], weight [D] -> [..., D]."""
 
     def add_rmsnorm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        """residual' = x + residual; y = rmsnorm(residual'). Returns (y, residual')."""
+        """residual' = x + residual; y = rmsnorm(residual'). Returns (y, residual').
+        A backend may update `residual` in place and return it as residual'."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N]."""

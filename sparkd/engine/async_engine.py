@@ -1,18 +1,39 @@
 """AsyncEngine: the asyncio loop that owns the engine.
 
-Scheduling, input bookkeeping and output processing run on the event loop;
-the forward runs in one worker thread, so SSE writes and new requests keep
-flowing while the model computes. Requests talk to the loop only through
-`add_request` / `abort`; each request's outputs go to its own `RequestStream`.
+Scheduling, input bookkeeping and output processing run on the event loop; the
+step's device work (`LLMEngine.execute`) runs in one worker thread, so SSE writes
+and new requests keep flowing while the model computes. On CUDA that thread
+enqueues the step on the stream and then waits in the sampler's device-to-host
+copy (cuStreamSynchronize releases the GIL); the loop awaits the thread's future,
+which asyncio resolves through call_soon_threadsafe. Requests talk to the loop only
+through `add_request` / `abort`; each request's outputs go to its own `RequestStream`.
+
+Failures:
+- A step that raises fails its own requests (their streams end with an error
+  output) and the loop goes on. A decode graph that failed to capture does that;
+  its batch size then runs eagerly.
+- A sticky device error (`backend.base.DeviceLostError`) kills the engine: `dead_reason`
+  is set, every open stream raises EngineDeadError, new requests are refused, and
+  `await engine.wait_dead()` returns the reason. The process must then exit
+  non-zero (the CLI awaits `wait_dead()`, or polls `is_dead`, and exits 1) so a
+  supervisor restarts it: the device cannot be recovered in-process.
+
+Not done yet: preparing step N+1 on the host while step N runs on the GPU. It
+needs (1) a sampler that ends the step with an event instead of host results, so
+the ids can stay on the device; (2) the scheduler to schedule N+1 before N's
+tokens are known, assuming one token per running decode and discarding it for
+requests that N finished (vLLM's async scheduling); (3) decode graphs that read
+their input ids from N's sampler output on the device instead of a host upload.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
 
+from ..backend.base import DeviceLostError
 from .args import EngineArgs
 from .llm_engine import EngineStats, LLMEngine, RequestError
 from .outputs import RequestOutput
@@ -30,7 +51,7 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """Async iterator over one request's outputs. Closing it early aborts the request."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str):
+    def __init__(self, engine: AsyncEngine, request_id: str):
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -39,7 +60,7 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -69,9 +90,10 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._step_running = False
         self.dead_reason: str | None = None
+        self._dead = asyncio.Event()
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> "AsyncEngine":
+    def from_args(cls, args: EngineArgs) -> AsyncEngine:
         return cls(LLMEngine(args))
 
     # ---- properties the API layer reads ----
@@ -94,6 +116,11 @@ class AsyncEngine:
     @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
+
+    async def wait_dead(self) -> str:
+        """Return the reason once the engine has died (it never recovers: exit non-zero then)."""
+        await self._dead.wait()
+        return self.dead_reason
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -118,6 +145,8 @@ class AsyncEngine:
             self.abort(request_id)
         self._apply_aborts()
         self._executor.shutdown(wait=True)
+        if not self.is_dead:
+            self.core.close()
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
@@ -168,10 +197,16 @@ class AsyncEngine:
                 self._step_running = True
                 try:
                     sampled = await loop.run_in_executor(self._executor, core.execute, output)
-                except Exception as exc:  # one bad batch fails its own requests, not the server
-                    log.exception("forward failed; failing the %d requests of this step", len(output.scheduled))
+                except Exception as exc:
                     self._step_running = False
+                    if isinstance(exc, DeviceLostError):
+                        log.exception("the device is lost")
+                        self._die(f"the device is lost: {exc}")
+                        return
+                    # One bad batch fails its own requests, not the server.
+                    log.exception("forward failed; failing the %d requests of this step", len(output.scheduled))
                     self._fail_step(output, exc)
+                    self._apply_aborts()
                     continue
                 self._step_running = False
                 self._apply_aborts()
@@ -201,6 +236,7 @@ class AsyncEngine:
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
+        self._dead.set()
         log.critical(reason)
         for stream in self._streams.values():
             stream.put(EngineDeadError(reason))

@@ -2,21 +2,29 @@
 
 `LLM` drives it in a plain loop; `AsyncEngine` runs `execute` in a worker
 thread so the event loop never blocks on the forward.
+
+The KV block pool is sized once the weights are loaded: on a GPU from
+`--gpu-memory-utilization` (what the weights left, less an activation reserve),
+on the CPU from `kv_cache_memory_gb`; never more than `max_num_seqs` sequences
+of `max_model_len` tokens can use.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..backend import create_backend
+from ..backend.base import Ops
 from ..models.registry import load_model
 from .args import EngineArgs
-from .model_runner import ModelRunner, SampledToken
+from .model_runner import ModelRunner, SampledToken, nvtx_range
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
@@ -29,6 +37,34 @@ log = logging.getLogger("sparkd.engine")
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 DEMO_MODEL_NAME = "sparkd-demo"
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of n > 1 siblings over the 64-bit key space
+_GiB = float(1 << 30)
+# Kept back from the KV pool besides the activations: loaded kernels, cuBLASLt, the
+# sampler's staging, the decode graphs' scratch.
+_FIXED_RESERVE_BYTES = 1 << 30
+_ALLOCATOR_ROUNDING = 1.25  # the caching allocator's size classes waste at most 25%
+
+
+@dataclass
+class LoadedModel:
+    """A model with its weights on a backend, ready to serve.
+
+    `load_checkpoint` builds one from EngineArgs; benchmarks build one in memory."""
+
+    ops: Ops
+    model: Any  # e.g. DenseForCausalLM: .config, .forward, .compute_logits
+    tokenizer: Any  # sparkd.engine.tokenizer.Tokenizer, or None (prompts must be token ids)
+    name: str  # the served model name
+    source: str  # where it came from, for the logs
+
+
+def load_checkpoint(args: EngineArgs) -> LoadedModel:
+    """`args.model` (None: the embedded demo model) on the backend `args.device` asks for."""
+    model_dir = Path(args.model) if args.model else DEMO_MODEL_DIR
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}: --model must be a local Hugging Face checkpoint directory")
+    ops = create_backend(args.device, args.dtype, _checkpoint_dtype(model_dir))
+    name = args.served_model_name or (args.model if args.model else DEMO_MODEL_NAME)
+    return LoadedModel(ops, load_model(model_dir, ops), load_tokenizer(model_dir), name, str(model_dir))
 
 
 class RequestError(ValueError):
@@ -52,21 +88,21 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        """Serve `loaded`, or the checkpoint `args` names when it is None."""
         self.args = args
-        model_dir = Path(args.model) if args.model else DEMO_MODEL_DIR
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"no config.json in {model_dir}: --model must be a local Hugging Face checkpoint directory")
-        self.model_name = args.served_model_name or (args.model if args.model else DEMO_MODEL_NAME)
-        self.ops = create_backend(args.device, args.dtype, _checkpoint_dtype(model_dir))
-        self.model = load_model(model_dir, self.ops)
+        loaded = loaded or load_checkpoint(args)
+        self.ops, self.model, self.tokenizer = loaded.ops, loaded.model, loaded.tokenizer
+        self.model_name = loaded.name
         self.model_config = cfg = self.model.config
-        self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        num_blocks = args.num_gpu_blocks_override or self._kv_blocks_for_budget()
-        log.info("model %s on %s: %d KV blocks of %d tokens", model_dir, self.ops.name, num_blocks, args.block_size)
-        kv_caches = self.ops.allocate_kv_cache(cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.runner = ModelRunner(self.model, self.ops, kv_caches, args.block_size, args.max_num_seqs, self.max_model_len)
+        num_blocks = args.num_gpu_blocks_override or self._num_kv_blocks()
+        log.info("model %s on %s: %d KV blocks of %d tokens (%.2f GiB)", loaded.source, self.ops.name, num_blocks,
+                 args.block_size, num_blocks * self._kv_block_bytes() / _GiB)
+        kv_caches = self.ops.allocate_kv_cache(cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads,
+                                               cfg.head_dim)
+        self.runner = ModelRunner(self.model, self.ops, kv_caches, args.block_size, args.max_num_seqs,
+                                  self.max_model_len)
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -85,11 +121,36 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def _kv_blocks_for_budget(self) -> int:
-        cfg, bs = self.model_config, self.args.block_size
-        bytes_per_block = 2 * cfg.num_layers * cfg.num_kv_heads * bs * cfg.head_dim * 4
-        wanted = self.args.max_num_seqs * -(-self.max_model_len // bs)
-        return max(1, min(wanted, int(self.args.kv_cache_memory_gb * 2**30 // bytes_per_block)))
+    def _kv_block_bytes(self) -> int:
+        """K and V of one block over all layers, in the backend's dtype."""
+        cfg = self.model_config
+        return 2 * cfg.num_layers * cfg.num_kv_heads * self.args.block_size * cfg.head_dim * self.ops.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        args = self.args
+        block_bytes = self._kv_block_bytes()
+        wanted = args.max_num_seqs * -(-self.max_model_len // args.block_size)
+        if hasattr(self.ops, "plan_kv_cache"):  # device memory: what the loaded weights left
+            plan = self.ops.plan_kv_cache(block_bytes, args.gpu_memory_utilization, self._activation_reserve_bytes())
+            return min(wanted, plan.num_blocks)
+        return max(1, min(wanted, int(args.kv_cache_memory_gb * 2**30 // block_bytes)))
+
+    def _activation_reserve_bytes(self) -> int:
+        """Device memory one step may need besides weights and KV cache, kept out of the pool.
+
+        The peak is a prefill step of max_num_batched_tokens tokens: per token, the
+        widest intermediates alive together (gate_up and its activation, qkv, rotated
+        q, the attention output, four hidden-size tensors); plus fp32 logits and the
+        sampler's workspace for max_num_seqs rows, and the logits every decode graph
+        keeps: one [bucket, V] block per batch-size bucket (1, 2, 4, then multiples of
+        8 up to max_num_seqs = n), at most n^2 / 16 + 3n / 2 + 7 rows in all."""
+        cfg, args = self.model_config, self.args
+        qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        per_token = 3 * cfg.intermediate_size + qkv_width + 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.hidden_size
+        activations = args.max_num_batched_tokens * per_token * self.ops.dtype.itemsize
+        n = args.max_num_seqs
+        logits_rows = 2 * n + n * n // 16 + 3 * n // 2 + 7
+        return int(_ALLOCATOR_ROUNDING * (activations + logits_rows * cfg.vocab_size * 4)) + _FIXED_RESERVE_BYTES
 
     # ---- requests ----
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -155,9 +216,12 @@ class LLMEngine:
 
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        with nvtx_range("schedule"):
+            return self.scheduler.schedule()
 
     def execute(self, output: SchedulerOutput) -> list[SampledToken | None]:
+        """Run the step on the backend. Any exception leaves the step's requests to be
+        failed by the caller (`fail`), except DeviceLostError: then the process must exit."""
         return self.runner.execute(output)
 
     def postprocess(self, output: SchedulerOutput, sampled: list[SampledToken | None]) -> list[RequestOutput]:
@@ -179,6 +243,10 @@ class LLMEngine:
             return []
         return self.postprocess(output, self.execute(output))
 
+    def close(self) -> None:
+        """Release the decode graphs; call only while the device is healthy."""
+        self.runner.close()
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
@@ -195,8 +263,6 @@ class LLMEngine:
 
 
 def _checkpoint_dtype(model_dir: Path) -> str:
-    import json
-
     cfg = json.loads((model_dir / "config.json").read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return name if name in ("float32", "bfloat16", "float16") else "float32"

@@ -1,23 +1,43 @@
 """Turns a scheduled batch into flat model inputs, runs the forward and samples.
 
 Host preparation is numpy-vectorised over tokens; the only Python loop is over
-the sequences of the step.
+the sequences of the step. On CUDA, a decode step (one new token per sequence,
+every sequence sampling) replays the captured graph of its padded batch size
+(`DecodeGraphRunner`); prefill and mixed steps run eagerly.
+
+`execute` blocks until the sampled ids are on the host. The engine calls it from
+a worker thread (CUDA releases the GIL while the thread waits for the stream),
+so the event loop never waits on the device.
+
+The runner knows backends only through `Ops` (graphs come from
+`ops.decode_graph_runner`, which is None on the CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..backend.base import AttentionMetadata, Ops, SamplerOutput
-from .outputs import TokenLogprob
 from .block_table import PersistentBlockTable
 from .kv_cache_manager import slot_mapping
+from .outputs import TokenLogprob
 from .request import Request
 from .sampling_batch import build_sampling_tensors
 
+try:
+    import nvtx
+except ImportError:
+    nvtx = None
+
 SampledToken = tuple[int, TokenLogprob | None]
+
+
+def nvtx_range(name: str):
+    """An NVTX range for profilers (Nsight Systems); a no-op without the `nvtx` package."""
+    return nvtx.annotate(name, domain="sparkd") if nvtx is not None else contextlib.nullcontext()
 
 
 @dataclass
@@ -35,6 +55,11 @@ class StepInputs:
     attn: AttentionMetadata
     sample_rows: list[int]
     logits_indices: np.ndarray
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence and every sequence samples: the shape a decode graph serves."""
+        return self.attn.is_decode_only and len(self.sample_rows) == self.attn.num_seqs
 
 
 def prepare_inputs(scheduled, block_table: PersistentBlockTable, block_size: int) -> StepInputs:
@@ -83,28 +108,58 @@ class ModelRunner:
         self.ops = ops
         self.kv_caches = kv_caches
         self.block_size = block_size
+        max_blocks_per_seq = -(-max_model_len // block_size)
         # Finished requests release their rows lazily, so allow some slack over max_num_seqs.
-        self.block_table = PersistentBlockTable(2 * max_num_seqs, -(-max_model_len // block_size))
+        self.block_table = PersistentBlockTable(2 * max_num_seqs, max_blocks_per_seq)
+        self.decode_graphs = ops.decode_graph_runner(max_num_seqs, max_blocks_per_seq, max_model_len)
 
     def execute(self, output) -> list[SampledToken | None]:
         """Run one step of a SchedulerOutput; result i belongs to output.scheduled[i]
-        (None: a prompt chunk that produced no token)."""
-        for request in output.preempted:
-            self.block_table.release(request)
+        (None: a prompt chunk that produced no token).
+
+        On CUDA, raises GraphCaptureError when this step's decode graph failed to
+        capture (the step yields no tokens; its batch size runs eagerly from now on),
+        and DeviceLostError when the device is unusable."""
+        self.ops.bind_thread()
         scheduled = output.scheduled
-        inputs = prepare_inputs(scheduled, self.block_table, self.block_size)
-        ops = self.ops
-        attn = ops.prepare_attention(inputs.attn)
-        hidden = self.model.forward(ops.upload(inputs.token_ids), ops.upload(inputs.positions), attn, self.kv_caches)
+        with nvtx_range("prepare"):
+            for request in output.preempted:
+                self.block_table.release(request)
+            inputs = prepare_inputs(scheduled, self.block_table, self.block_size)
+            samplers = [scheduled[i].request for i in inputs.sample_rows]
+            sampling = build_sampling_tensors(samplers) if samplers else None
+        with nvtx_range("forward"):
+            logits = self._forward(inputs)
         results: list[SampledToken | None] = [None] * len(scheduled)
-        if not inputs.sample_rows:
+        if logits is None:
             return results
-        logits = self.model.compute_logits(hidden, ops.upload(inputs.logits_indices))
-        samplers = [scheduled[i].request for i in inputs.sample_rows]
-        sampled = ops.sample(logits, build_sampling_tensors(samplers))
+        with nvtx_range("sample"):
+            sampled = self.ops.sample(logits, sampling)
         for j, row in enumerate(inputs.sample_rows):
             results[row] = (int(sampled.token_ids[j]), _token_logprob(sampled, j, samplers[j]))
         return results
+
+    def _forward(self, inputs: StepInputs):
+        """Logits [len(sample_rows), V] float32, or None when no sequence samples."""
+        if self.decode_graphs is not None and inputs.is_decode:
+            return self.decode_graphs.run(self.decode_forward, inputs.token_ids, inputs.positions, inputs.attn)
+        ops = self.ops
+        attn = ops.prepare_attention(inputs.attn)
+        hidden = self.model.forward(ops.upload(inputs.token_ids), ops.upload(inputs.positions), attn, self.kv_caches)
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(hidden, ops.upload(inputs.logits_indices))
+
+    def decode_forward(self, inputs):
+        """A decode step on device inputs (DecodeInputs), the work a decode graph captures."""
+        hidden = self.model.forward(inputs.token_ids, inputs.positions, inputs.attn, self.kv_caches)
+        return self.model.compute_logits(hidden, inputs.logits_indices)
+
+    def close(self) -> None:
+        """Destroy the decode graphs (their memory pool goes with them)."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
+            self.decode_graphs = None
 
 
 def _token_logprob(out: SamplerOutput, j: int, req: Request) -> TokenLogprob | None:

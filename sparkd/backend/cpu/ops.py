@@ -37,6 +37,12 @@ class NumpyOps:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         return [(np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)) for _ in range(num_layers)]
 
+    def bind_thread(self) -> None:
+        """numpy needs no per-thread setup."""
+
+    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int) -> None:
+        return None  # no graphs: every step runs eagerly
+
     def prepare_attention(self, meta: AttentionMetadata) -> AttentionPlan:
         return plan_attention(meta)
 

@@ -15,6 +15,8 @@ from functools import cache
 
 from cuda.bindings import driver
 
+from .. import base
+
 # Errors that poison the context: every later call fails too, so the process must restart.
 _STICKY_ERRORS = frozenset({
     driver.CUresult.CUDA_ERROR_ECC_UNCORRECTABLE,
@@ -39,7 +41,7 @@ class CudaError(Exception):
         super().__init__(f"{where}{name} ({code})")
 
 
-class DeviceLostError(CudaError):
+class DeviceLostError(CudaError, base.DeviceLostError):
     """A sticky device error: the context is unusable until the process restarts."""
 
 

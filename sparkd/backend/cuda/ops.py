@@ -20,7 +20,8 @@ from cuda.bindings import driver
 from ..base import AttentionMetadata, RopeConfig, SamplerOutput, SamplingTensors
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
-from .driver import Event, Stream, call, init_device, memory_info
+from .decode_graphs import DecodeGraphRunner
+from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
 from .kernels import activation, attention, elementwise, embedding, norm, rope_kv, sampling
 from .memory import DeviceAllocator, KVCachePlan, plan_kv_cache
@@ -105,6 +106,12 @@ class CudaOps:
         plan = plan_kv_cache(free, total, gpu_memory_utilization, block_bytes, reserve_bytes)
         log.info(plan.describe())
         return plan
+
+    def bind_thread(self) -> None:
+        ensure_context()
+
+    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int) -> DecodeGraphRunner:
+        return DecodeGraphRunner(self, max_batch_size, max_blocks_per_seq, max_seq_len)
 
     def prepare_attention(self, meta: AttentionMetadata) -> CudaAttentionMetadata:
         """One H2D copy for the step's four metadata arrays."""

@@ -1,0 +1,233 @@
+"""Launchers for paged causal attention with GQA: varlen prefill and split-K decode.
+
+Kernels: cukernels/attention_prefill.cu and attention_decode.cu (shared pieces in
+attention_common.cuh). bf16 and fp16 run on tensor cores with fp32 softmax and
+accumulators; fp32 runs on CUDA cores with plain FMAs (no TF32), exact to rounding.
+
+  q, out [T, Hq, D] contiguous        k_cache, v_cache [NB, Hkv, BS, D]
+  meta: CudaAttentionMetadata (device query_start_loc [B+1], seq_lens [B],
+        block_tables [B, max_blocks] int32; host bounds max_query_len, max_seq_len)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...dtypes import DType
+from ..attention_metadata import CudaAttentionMetadata
+from ..compiler import KernelSpec, get_kernel
+from ..driver import Stream, current_device
+from ..tensor import DeviceTensor
+
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (DType.bfloat16, DType.float16, DType.float32)
+MIN_SPLIT_KEYS = 128  # kMinSplitKeys in attention_common.cuh
+MAX_SPLITS = 128
+DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
+
+_THREADS = 128
+_LOG2E = 1.4426950408889634
+_RESIDENT_BLOCKS_PER_SM = 2  # what the split heuristic counts as one full wave
+_MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """A kernel's tile: query rows per block, keys per pipeline stage, stages in flight."""
+
+    rows: int
+    keys: int
+    stages: int
+
+    def smem_bytes(self, head_dim: int, dtype: DType) -> int:
+        """The query tile plus a K and a V tile per stage; rows padded by 16 bytes (smem_ld)."""
+        return (self.rows + 2 * self.stages * self.keys) * (head_dim * dtype.itemsize + 16)
+
+
+# These mirror PrefillTile<D> (attention_prefill.cu), kDecodeRows / kDecodeKeys /
+# decode_stages<D> (attention_decode.cu) and kFp32Rows / kFp32Keys (attention_common.cuh).
+_PREFILL_TILES = {64: _Tile(128, 64, 2), 128: _Tile(128, 32, 2), 256: _Tile(64, 32, 1)}
+_DECODE_TILES = {64: _Tile(16, 64, 2), 128: _Tile(16, 64, 2), 256: _Tile(16, 64, 1)}
+_FP32_TILE = _Tile(16, 32, 1)
+
+
+def _decode_merge_bytes(head_dim: int) -> int:
+    """Shared memory the decode kernel's final merge of its four warps reuses."""
+    return (64 * head_dim + 208) * 4
+
+
+def _prefill_spec(dtype: DType, head_dim: int) -> KernelSpec:
+    if dtype is DType.float32:
+        return KernelSpec("attention_prefill.cu", f"prefill_attention_fp32_kernel<{head_dim}>")
+    return KernelSpec("attention_prefill.cu", f"prefill_attention_kernel<{dtype.c_type}, {head_dim}>")
+
+
+def _decode_spec(dtype: DType, head_dim: int) -> KernelSpec:
+    if dtype is DType.float32:
+        return KernelSpec("attention_decode.cu", f"decode_attention_fp32_kernel<{head_dim}>")
+    return KernelSpec("attention_decode.cu", f"decode_attention_kernel<{dtype.c_type}, {head_dim}>")
+
+
+def _combine_spec(dtype: DType, head_dim: int) -> KernelSpec:
+    return KernelSpec("attention_decode.cu", f"decode_combine_kernel<{dtype.c_type}, {head_dim}>")
+
+
+SPECS = [make(dtype, head_dim) for dtype in DTYPES for head_dim in HEAD_DIMS
+         for make in (_prefill_spec, _decode_spec, _combine_spec)]
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_seqs: int
+    dtype: DType
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
+           meta: CudaAttentionMetadata) -> _Sizes:
+    _require(q.ndim == 3, f"q must be [T, Hq, D], got shape {q.shape}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    _require(head_dim in HEAD_DIMS, f"head_dim {head_dim} is not supported; expected one of {HEAD_DIMS}")
+    _require(q.dtype in DTYPES, f"q dtype {q.dtype.name} is not supported; expected one of {[d.name for d in DTYPES]}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _require(t.is_contiguous, f"{name} must be contiguous, got {t}")
+        _require(t.ptr % 16 == 0, f"{name} must be 16-byte aligned for vector loads, got {t}")
+        _require(t.dtype is q.dtype, f"{name} dtype {t.dtype.name} differs from q's {q.dtype.name}")
+    _require(out.shape == q.shape, f"out shape {out.shape} must equal q shape {q.shape}")
+    _require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
+             f"k_cache and v_cache must both be [NB, Hkv, BS, D], got {k_cache.shape} and {v_cache.shape}")
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    _require(cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} differs from q's {head_dim}")
+    _require(num_q_heads % num_kv_heads == 0,
+             f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    num_seqs = meta.num_seqs
+    _require(num_seqs <= _MAX_GRID_YZ and num_kv_heads <= _MAX_GRID_YZ,
+             f"{num_seqs} sequences x {num_kv_heads} kv heads exceed the grid limit {_MAX_GRID_YZ}")
+    for name, t, shape in (("query_start_loc", meta.query_start_loc, (num_seqs + 1,)),
+                           ("seq_lens", meta.seq_lens, (num_seqs,)),
+                           ("block_tables", meta.block_tables, (num_seqs, meta.block_tables.shape[-1]))):
+        _require(t.dtype is DType.int32 and t.shape == shape and t.is_contiguous,
+                 f"meta.{name} must be contiguous int32 of shape {shape}, got {t}")
+    return _Sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs, q.dtype)
+
+
+def _common_args(q, k_cache, v_cache, meta: CudaAttentionMetadata, sizes: _Sizes, scale: float) -> list:
+    return [q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            np.int32(meta.block_tables.shape[1]), np.int32(sizes.num_q_heads), np.int32(sizes.num_kv_heads),
+            np.int32(sizes.block_size), np.float32(scale * _LOG2E)]
+
+
+def prefill_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
+                      meta: CudaAttentionMetadata, scale: float, stream: Stream | None) -> None:
+    """out [T, Hq, D] = causal attention of every new token in the step, any mix of query lengths.
+
+    Token i of sequence s (rows query_start_loc[s] + i of q) sits at position
+    seq_lens[s] - query_len + i and attends to the cached keys 0..that position.
+    The caches must already hold this step's K/V (rope_write_kv runs first)."""
+    sizes = _check(out, q, k_cache, v_cache, meta)
+    if sizes.num_seqs == 0 or sizes.num_tokens == 0:
+        return
+    _require(meta.max_query_len >= 1, f"meta.max_query_len must be >= 1, got {meta.max_query_len}")
+    tile = _FP32_TILE if sizes.dtype is DType.float32 else _PREFILL_TILES[sizes.head_dim]
+    grid = (math.ceil(meta.max_query_len * sizes.group / tile.rows), sizes.num_kv_heads, sizes.num_seqs)
+    get_kernel(_prefill_spec(sizes.dtype, sizes.head_dim)).launch(
+        grid, _THREADS, [out, *_common_args(q, k_cache, v_cache, meta, sizes, scale)],
+        shared_mem=tile.smem_bytes(sizes.head_dim, sizes.dtype), stream=stream)
+
+
+def choose_num_splits(num_blocks: int, max_seq_len: int, num_sms: int) -> int:
+    """How many splits of its keys each decode block gets (flash-attention 2's wave heuristic).
+
+    num_blocks: blocks without splitting (sequences x kv heads x head chunks). None
+    when they already fill the GPU; otherwise the fewest splits whose waves are at
+    least 85% as full as the best count's, never splits shorter than MIN_SPLIT_KEYS."""
+    slots = num_sms * _RESIDENT_BLOCKS_PER_SM
+    if num_blocks >= 0.8 * slots:
+        return 1
+    limit = max(1, min(MAX_SPLITS, slots, math.ceil(max_seq_len / MIN_SPLIT_KEYS)))
+    waves = [n * num_blocks / slots for n in range(1, limit + 1)]
+    efficiency = [w / math.ceil(w) for w in waves]
+    best = max(efficiency)
+    return next(n for n, e in enumerate(efficiency, start=1) if e >= 0.85 * best)
+
+
+def _decode_blocks(sizes: _Sizes) -> int:
+    return sizes.num_seqs * sizes.num_kv_heads * math.ceil(sizes.group / DECODE_HEADS_PER_BLOCK)
+
+
+def _split_numel(sizes: _Sizes) -> int:
+    """Workspace floats one split needs: the normalised output and its log-sum-exp per head."""
+    return sizes.num_seqs * sizes.num_q_heads * (sizes.head_dim + 1)
+
+
+def decode_workspace_numel(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata) -> int:
+    """float32 elements of workspace that decode_attention uses for these shapes; 0 when it needs none."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    sizes = _Sizes(num_tokens, num_q_heads, k_cache.shape[1], head_dim, k_cache.shape[2], meta.num_seqs, q.dtype)
+    num_splits = choose_num_splits(_decode_blocks(sizes), meta.max_seq_len, current_device().sm_count)
+    return 0 if num_splits == 1 else num_splits * _split_numel(sizes)
+
+
+def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
+                     meta: CudaAttentionMetadata, scale: float, stream: Stream | None,
+                     workspace: DeviceTensor | None = None) -> None:
+    """out [B, Hq, D] = attention of each sequence's one new token (row b of q is sequence b's)
+    to its cached keys 0..seq_lens[b]-1, split over the keys when that fills the GPU better.
+
+    The grid depends only on host sizes (meta.max_seq_len, the SM count, the
+    workspace): blocks read each sequence's length from the device seq_lens, so a
+    captured graph replays correctly for any context up to meta.max_seq_len.
+    workspace: float32 of at least decode_workspace_numel(q, k_cache, meta)
+    elements; with None (or less) every sequence runs in fewer or one split."""
+    sizes = _check(out, q, k_cache, v_cache, meta)
+    _require(meta.max_query_len == 1, f"decode needs meta.max_query_len == 1, got {meta.max_query_len}")
+    _require(sizes.num_tokens == sizes.num_seqs,
+             f"decode needs one query token per sequence: {sizes.num_tokens} tokens for {sizes.num_seqs} sequences")
+    if sizes.num_seqs == 0:
+        return
+    num_splits = choose_num_splits(_decode_blocks(sizes), meta.max_seq_len, current_device().sm_count)
+    if workspace is not None:
+        _require(workspace.dtype is DType.float32 and workspace.is_contiguous,
+                 f"workspace must be contiguous float32, got {workspace}")
+    capacity = workspace.numel // _split_numel(sizes) if workspace is not None else 1
+    num_splits = max(1, min(num_splits, capacity))
+
+    if num_splits == 1:
+        # Every sequence fits one split and is written directly: no workspace is touched.
+        o_part = lse_part = np.uint64(0)
+    else:
+        o_part = DeviceTensor(workspace.ptr, (sizes.num_seqs, sizes.num_q_heads, num_splits, sizes.head_dim),
+                              DType.float32, owner=workspace.owner)
+        lse_part = DeviceTensor(workspace.ptr + o_part.nbytes, (sizes.num_seqs, sizes.num_q_heads, num_splits),
+                                DType.float32, owner=workspace.owner)
+    tile = _FP32_TILE if sizes.dtype is DType.float32 else _DECODE_TILES[sizes.head_dim]
+    shared_mem = tile.smem_bytes(sizes.head_dim, sizes.dtype)
+    if sizes.dtype is not DType.float32:
+        shared_mem = max(shared_mem, _decode_merge_bytes(sizes.head_dim))
+    head_chunks = math.ceil(sizes.group / DECODE_HEADS_PER_BLOCK)
+    get_kernel(_decode_spec(sizes.dtype, sizes.head_dim)).launch(
+        (head_chunks * num_splits, sizes.num_kv_heads, sizes.num_seqs), _THREADS,
+        [out, o_part, lse_part, *_common_args(q, k_cache, v_cache, meta, sizes, scale), np.int32(num_splits)],
+        shared_mem=shared_mem, stream=stream)
+    if num_splits > 1:
+        get_kernel(_combine_spec(sizes.dtype, sizes.head_dim)).launch(
+            (sizes.num_q_heads, sizes.num_seqs), sizes.head_dim,
+            [out, o_part, lse_part, meta.query_start_loc, meta.seq_lens, np.int32(sizes.num_q_heads),
+             np.int32(num_splits)],
+            stream=stream)

@@ -1,0 +1,261 @@
+"""The whole engine on the GPU: greedy parity with the CPU backend, bf16 agreement with
+fp32, KV sizing from device memory, the abort-capture guard and a lost device under
+AsyncEngine.
+
+fp32 runs must reproduce the CPU backend's greedy tokens exactly, through chunked
+prefill, a prefix-cache hit, preemption and decode graphs. bf16 is compared with
+fp32 teacher-forced, over prefill and decode steps; see that test for its bar. The
+attention kernels support head_dim 64, 128 and 256, so the tiny models use 64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from sparkd import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+NUM_NEW = 32
+ENGINE_ARGS = {"max_num_batched_tokens": 64, "max_num_seqs": 8}
+VARIANTS = {
+    "LlamaForCausalLM": {"head_dim": 64, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}},
+    "Qwen2ForCausalLM": {"head_dim": 64, "tie_word_embeddings": True},
+    "Qwen3ForCausalLM": {"head_dim": 64},
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+BF16_MIN_TOP1_AGREEMENT = 0.99
+
+
+def make_prompts(rng: np.random.Generator, vocab: int) -> list[list[int]]:
+    shared = rng.integers(3, vocab, 37).tolist()
+    return [
+        rng.integers(3, vocab, 1).tolist(),
+        rng.integers(3, vocab, 16).tolist(),  # exactly one block
+        shared + rng.integers(3, vocab, 5).tolist(),
+        shared + rng.integers(3, vocab, 9).tolist(),
+        rng.integers(3, vocab, 150).tolist(),  # longer than the token budget: chunked
+    ]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory, gpu):
+    """(checkpoint dir, prompts, the CPU backend's greedy tokens for them)."""
+    oracle = pytest.importorskip("oracle")
+    arch = request.param
+    path, model = oracle.make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, **VARIANTS[arch])
+    prompts = make_prompts(np.random.default_rng(7), model.config.vocab_size)
+    cpu = LLM(str(path), device="cpu", **ENGINE_ARGS)
+    return path, prompts, token_ids(cpu.generate(prompts, GREEDY))
+
+
+def cuda_llm(path, **engine_args) -> LLM:
+    return LLM(str(path), device="cuda", dtype="float32", **{**ENGINE_ARGS, **engine_args})
+
+
+def captured_buckets(engine) -> list[int]:
+    """Batch sizes whose decode graph an LLMEngine has captured."""
+    graphs = engine.runner.decode_graphs
+    return [size for size, slot in graphs._slots.items() if slot.graph is not None]
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    scheduler = llm.engine.scheduler
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_usage == 0.0
+    scheduler.check_integrity()
+
+
+def test_fp32_greedy_matches_cpu_with_chunking_prefix_hits_and_graphs(checkpoint):
+    path, prompts, expected = checkpoint
+    llm = cuda_llm(path)
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    assert captured_buckets(llm.engine), "no decode step was replayed from a CUDA graph"
+    assert_no_leaks(llm)
+    # The shared 37-token prefix is cached now: 2 full blocks of 16 must hit.
+    again = llm.generate([prompts[3]], GREEDY)[0]
+    assert again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == expected[3]
+    assert_no_leaks(llm)
+
+
+def test_fp32_greedy_matches_cpu_under_preemption(checkpoint):
+    path, prompts, expected = checkpoint
+    # 14 blocks of 16 tokens cannot hold all five sequences at once.
+    llm = cuda_llm(path, num_gpu_blocks_override=14)
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert_no_leaks(llm)
+
+
+def test_kv_cache_is_sized_from_device_memory(checkpoint):
+    path, _, _ = checkpoint
+    llm = cuda_llm(path)
+    # A tiny model leaves room for every sequence at full length: the pool is capped there.
+    max_len, block_size = llm.engine.max_model_len, llm.engine.args.block_size
+    assert llm.engine.scheduler.kv.pool.num_blocks == ENGINE_ARGS["max_num_seqs"] * -(-max_len // block_size)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        cuda_llm(path, gpu_memory_utilization=0.001)
+
+
+# ---- bf16 against fp32, teacher-forced ----
+
+BLOCK_SIZE = 16
+NUM_SEQS = 16
+PREFILL_LEN = 128
+DECODE_LEN = 32
+
+
+def teacher_forced_logits(model, sequences: list[list[int]]) -> np.ndarray:
+    """[B, L - 1, V] logits after each token of `sequences` (all of length L):
+    one prefill step over the first PREFILL_LEN tokens, then one decode step per token,
+    each fed the true token."""
+    from oracle import num_kv_blocks, step_inputs
+
+    ops, cfg = model.ops, model.config
+    length = len(sequences[0])
+    blocks_per_seq = -(-length // BLOCK_SIZE)
+    caches = ops.allocate_kv_cache(cfg.num_layers, num_kv_blocks(len(sequences), blocks_per_seq), BLOCK_SIZE,
+                                   cfg.num_kv_heads, cfg.head_dim)
+
+    def step_logits(num_cached: int, end: int) -> np.ndarray:
+        step = step_inputs([s[:end] for s in sequences], [num_cached] * len(sequences), block_size=BLOCK_SIZE,
+                           blocks_per_seq=blocks_per_seq)
+        attn = ops.prepare_attention(step.meta)
+        hidden = model.forward(ops.upload(step.token_ids), ops.upload(step.positions), attn, caches)
+        rows = ops.upload(np.arange(len(step.token_ids), dtype=np.int32))
+        logits = ops.download(model.compute_logits(hidden, rows))
+        return logits.reshape(len(sequences), end - num_cached, -1)
+
+    steps = [step_logits(0, PREFILL_LEN)]
+    steps += [step_logits(end - 1, end) for end in range(PREFILL_LEN + 1, length)]
+    return np.concatenate(steps, axis=1)
+
+
+def transformers_bf16_logits(path, sequences: list[list[int]]) -> np.ndarray:
+    """[B, L - 1, V] logits from transformers in bf16, an independent bf16 implementation;
+    fp32 logits from the bf16 hidden states, as sparkd computes them."""
+    import torch
+    import transformers
+
+    # from_pretrained keeps the rotary frequencies in fp32 (a .to(bfloat16) would round them).
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        hidden = model.model(torch.tensor(sequences)).last_hidden_state.float()
+        return (hidden @ model.lm_head.weight.float().T)[:, :-1].numpy()
+
+
+@pytest.mark.parametrize("arch", list(VARIANTS))
+def test_bf16_teacher_forced_top1_agrees_with_fp32(arch, tmp_path, cuda_ops_factory):
+    """The bar is 99%, as a trained model on text reaches. A random tiny model's top-1
+    margin is often thinner than bf16 rounding: there transformers in bf16 agrees with
+    fp32 on only ~98.5-99.5% of positions. So: sparkd must reach 99% or, where
+    transformers misses it, agree as often as transformers does; and it may flip a
+    top-1 only where the fp32 margin is within twice transformers' bf16 logit error."""
+    import torch
+
+    oracle = pytest.importorskip("oracle")
+    from sparkd.backend.cpu.ops import NumpyOps
+    from sparkd.models.registry import load_model
+
+    # A bf16 checkpoint: the fp32 reference computes on the very weights bf16 runs with.
+    path, _ = oracle.make_tiny_checkpoint(tmp_path, arch, dtype=torch.bfloat16, **VARIANTS[arch])
+    reference_model = load_model(path, NumpyOps())
+    rng = np.random.default_rng(11)
+    sequences = rng.integers(3, reference_model.config.vocab_size, (NUM_SEQS, PREFILL_LEN + DECODE_LEN)).tolist()
+    reference_logits = teacher_forced_logits(reference_model, sequences)
+    reference = reference_logits.argmax(axis=-1)
+    bf16_model = load_model(path, cuda_ops_factory("bfloat16"))
+    matches = teacher_forced_logits(bf16_model, sequences).argmax(axis=-1) == reference
+    transformers_logits = transformers_bf16_logits(path, sequences)
+    transformers_agreement = (transformers_logits.argmax(axis=-1) == reference).mean()
+    agreement, decode_agreement = matches.mean(), matches[:, PREFILL_LEN:].mean()
+    print(f"{arch} bf16 top-1 agreement with fp32: sparkd {agreement:.4f} (decode steps {decode_agreement:.4f}), "
+          f"transformers {transformers_agreement:.4f}")
+    assert agreement >= min(BF16_MIN_TOP1_AGREEMENT, transformers_agreement)
+
+    top2 = np.sort(reference_logits, axis=-1)[..., -2:]
+    margin = top2[..., 1] - top2[..., 0]
+    bf16_error = np.abs(transformers_logits - reference_logits).max()
+    decisive = margin > 2 * bf16_error
+    flips = int((~matches[decisive]).sum())
+    assert flips == 0, f"{flips} top-1 flips where the fp32 margin exceeds 2 x {bf16_error:.4f}"
+
+
+# ---- the abort-capture guard, through AsyncEngine ----
+
+async def collect(stream):
+    return [out async for out in stream]
+
+
+def test_injected_capture_failure_fails_one_request_and_the_next_10_succeed(checkpoint, monkeypatch):
+    from sparkd.backend.cuda.graphs import FAIL_CAPTURE_ENV
+    from sparkd.engine.args import EngineArgs
+    from sparkd.engine.async_engine import AsyncEngine
+
+    path, prompts, expected = checkpoint
+    engine = AsyncEngine.from_args(EngineArgs(model=str(path), device="cuda", dtype="float32", **ENGINE_ARGS))
+
+    async def scenario():
+        await engine.start()
+        try:
+            monkeypatch.setenv(FAIL_CAPTURE_ENV, "1")
+            failed = await collect(engine.add_request(prompts[1], GREEDY))  # its first decode step captures
+            monkeypatch.delenv(FAIL_CAPTURE_ENV)
+            later = await asyncio.gather(*(collect(engine.add_request(prompts[i % 5], GREEDY)) for i in range(10)))
+            slots = engine.core.runner.decode_graphs._slots  # before shutdown destroys the graphs
+            eager = [size for size, slot in slots.items() if slot.eager_only]
+            return failed, later, eager, captured_buckets(engine.core)
+        finally:
+            await engine.shutdown()
+
+    # Plain asyncio.run: the GPU host has no pytest-asyncio.
+    failed, later, eager, captured = asyncio.run(scenario())
+    final = failed[-1]
+    assert final.finished and final.outputs[0].finish_reason == "error"
+    assert "GraphCaptureError" in final.error
+    assert not engine.is_dead and not engine.core.ops.stream.is_capturing()
+    assert eager == [1] and captured, (eager, captured)  # the failed batch size alone went eager
+    for i, outputs in enumerate(later):
+        assert outputs[-1].error is None and outputs[-1].outputs[0].token_ids == expected[i % 5]
+
+
+def test_a_sticky_device_error_kills_the_engine(checkpoint, monkeypatch):
+    """Simulated: a real sticky error would leave this process no usable GPU for the tests after it."""
+    from cuda.bindings import driver
+
+    from sparkd.backend.cuda.driver import error_from_status
+    from sparkd.engine.args import EngineArgs
+    from sparkd.engine.async_engine import AsyncEngine, EngineDeadError
+
+    path, prompts, _ = checkpoint
+    engine = AsyncEngine.from_args(EngineArgs(model=str(path), device="cuda", dtype="float32", **ENGINE_ARGS))
+
+    def lose_the_device(output):
+        raise error_from_status(driver.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, "launch of a kernel")
+
+    monkeypatch.setattr(engine.core.runner, "execute", lose_the_device)
+
+    async def scenario():
+        await engine.start()
+        streams = [engine.add_request(prompt, GREEDY) for prompt in prompts[:3]]
+        reason = await asyncio.wait_for(engine.wait_dead(), timeout=30)
+        for stream in streams:
+            with pytest.raises(EngineDeadError):
+                await collect(stream)
+        with pytest.raises(EngineDeadError):
+            engine.add_request(prompts[0], GREEDY)
+        await engine.shutdown()
+        return reason
+
+    reason = asyncio.run(scenario())
+    assert engine.is_dead and "CUDA_ERROR_ILLEGAL_ADDRESS" in reason

@@ -1,0 +1,302 @@
+"""Llama-3.1-8B-shaped bf16 decode and prefill through the engine, against the rooflines and transformers.
+
+  python tools/bench_decode.py [--layers 32] [--steps 64] [--no-transformers]
+
+Random weights are made on the device, so no checkpoint is needed. Each measure runs
+through `LLMEngine.step` (scheduling, input preparation, graph replay or eager
+forward, sampling on the device, output processing: what a request sees); for the
+decode cases the forward alone (back-to-back replays of the captured decode graph,
+timed by events) is shown too, so host overhead shows as the gap between the two.
+- batch-1 decode after a 128-token prompt;
+- batch-64 decode, every context 1k tokens;
+- one 8k-token prompt, computed in a single prefill step.
+Ceilings, measured in the same run: a decode step must read every weight but the
+embedding table, plus the KV cache of every context, at the device-to-device copy
+rate (bytes read plus written, as GPU-FACTS.md counts it); the prefill's model FLOPs
+(2 per weight per token, 4 * Hq * D per causal (query, key) pair) run at most at the
+rate of a bf16 8192^3 GEMM. The peer: transformers' generate with the static cache
+(which it compiles), batch 1, in the same process, when torch and CUDA are there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_gemm import best_seconds, copy_bandwidth, gemm_rate  # noqa: E402
+from cuda.bindings import driver  # noqa: E402
+
+from sparkd import SamplingParams  # noqa: E402
+from sparkd.backend.cuda.driver import Stream, call  # noqa: E402
+from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
+from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from sparkd.engine.args import EngineArgs  # noqa: E402
+from sparkd.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+from sparkd.engine.model_runner import prepare_inputs  # noqa: E402
+from sparkd.models.config import ModelConfig  # noqa: E402
+from sparkd.models.dense import DenseForCausalLM  # noqa: E402
+
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+}
+PROMPT_LEN = 128
+BATCH, CONTEXT = 64, 1024
+PREFILL_LEN = 8192
+WARMUP_STEPS = 2  # the first decode step of a batch size captures its graph
+PATTERN_ELEMS = 1 << 23  # 16 MiB of bf16 noise per scale, tiled over the weights
+# The issue's targets.
+BATCH1_ROOFLINE, BATCH1_TOKENS_PER_S, VS_TRANSFORMERS = 0.85, 225.0, 1.8
+BATCH64_ROOFLINE, PREFILL_GEMM = 0.70, 0.55
+
+
+def random_device_weights(config: ModelConfig, ops: CudaOps, seed: int = 0) -> dict[str, DeviceTensor]:
+    """Every weight DenseForCausalLM takes, made on the device in ops.dtype: matrices
+    ~ N(0, 1/fan_in) (the embedding N(0, 1)), norms 1, biases 0. One noise pattern per
+    fan-in is uploaded and tiled over each matrix by device copies: 16 GB in well under
+    a second, with no host copy of the model."""
+    rng = np.random.default_rng(seed)
+    patterns: dict[int, DeviceTensor] = {}
+
+    def matrix(rows: int, cols: int, fan_in: int) -> DeviceTensor:
+        if fan_in not in patterns:
+            noise = rng.standard_normal(PATTERN_ELEMS, dtype=np.float32) / math.sqrt(fan_in)
+            patterns[fan_in] = ops.upload(noise, ops.dtype)
+        out = ops.empty((rows, cols), ops.dtype)
+        tile(out, patterns[fan_in], ops.stream)
+        return out
+
+    def filled(size: int, value: float) -> DeviceTensor:
+        return ops.upload(np.full(size, value, np.float32), ops.dtype)
+
+    c = config
+    hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    weights = {"model.embed_tokens.weight": matrix(c.vocab_size, hidden, 1), "model.norm.weight": filled(hidden, 1)}
+    if not c.tie_word_embeddings:
+        weights["lm_head.weight"] = matrix(c.vocab_size, hidden, hidden)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": filled(hidden, 1), p + "post_attention_layernorm.weight": filled(hidden, 1),
+            p + "self_attn.qkv_proj.weight": matrix(qkv_rows, hidden, hidden),
+            p + "self_attn.o_proj.weight": matrix(hidden, q_width, q_width),
+            p + "mlp.gate_up_proj.weight": matrix(2 * c.intermediate_size, hidden, hidden),
+            p + "mlp.down_proj.weight": matrix(hidden, c.intermediate_size, c.intermediate_size),
+        }
+        optional = {  # name: (present, size, value)
+            "self_attn.qkv_proj.bias": (c.qkv_bias, qkv_rows, 0),
+            "self_attn.o_proj.bias": (c.o_proj_bias, hidden, 0),
+            "mlp.gate_up_proj.bias": (c.mlp_bias, 2 * c.intermediate_size, 0),
+            "mlp.down_proj.bias": (c.mlp_bias, hidden, 0),
+            "self_attn.q_norm.weight": (c.qk_norm, c.head_dim, 1),
+            "self_attn.k_norm.weight": (c.qk_norm, c.head_dim, 1),
+        }
+        weights |= {p + name: filled(size, value) for name, (present, size, value) in optional.items() if present}
+    return weights
+
+
+def tile(out: DeviceTensor, pattern: DeviceTensor, stream: Stream) -> None:
+    """Fill `out` with repeats of `pattern` (same dtype) by device-to-device copies."""
+    for offset in range(0, out.nbytes, pattern.nbytes):
+        size = min(pattern.nbytes, out.nbytes - offset)
+        call(driver.cuMemcpyDtoDAsync, out.ptr + offset, pattern.ptr, size, stream.handle)
+
+
+@dataclass
+class Model:
+    engine: LLMEngine
+    config: ModelConfig
+    decode_weight_bytes: int  # what one decode step reads of the weights: all but the embedding table
+
+    def kv_bytes(self, num_tokens: float) -> float:
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.engine.ops.dtype.itemsize * num_tokens
+
+    def prefill_flops(self, length: int) -> float:
+        """Model FLOPs of one prompt: every linear layer per token, causal attention, lm_head for the last token."""
+        c = self.config
+        per_layer = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size \
+            + c.num_heads * c.head_dim * c.hidden_size + 3 * c.intermediate_size * c.hidden_size
+        attention_pairs = length * (length + 1) / 2
+        return (2 * per_layer * length + 4 * c.num_heads * c.head_dim * attention_pairs) * c.num_layers \
+            + 2 * c.vocab_size * c.hidden_size
+
+
+def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilization: float) -> Model:
+    config = ModelConfig.from_hf({**LLAMA_3_1_8B, "num_hidden_layers": num_layers})
+    weights = random_device_weights(config, ops)
+    weight_bytes = sum(t.nbytes for t in weights.values())
+    if not config.tie_word_embeddings:
+        weight_bytes -= weights["model.embed_tokens.weight"].nbytes  # decode reads one row of it per sequence
+    model = DenseForCausalLM(config, ops, weights)
+    args = EngineArgs(device="cuda", dtype="bfloat16", max_model_len=PREFILL_LEN + steps + 16, max_num_seqs=BATCH,
+                      max_num_batched_tokens=PREFILL_LEN, enable_prefix_caching=False,
+                      gpu_memory_utilization=gpu_memory_utilization)
+    loaded = LoadedModel(ops, model, None, "llama-3.1-8b-shaped", "random bf16 weights made on the device")
+    return Model(LLMEngine(args, loaded), config, weight_bytes)
+
+
+def run_decode(model: Model, batch: int, context: int, steps: int, copy_rate: float, rng) -> tuple[float, float, float]:
+    """(engine tokens/s, forward seconds, floor seconds per step) over `steps` decode steps of
+    `batch` sequences with `context`-token prompts."""
+    engine = model.engine
+    # Sequences whose prompts finish early decode while later prompts are computed: leave them room.
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 64, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(0, model.config.vocab_size, context).tolist(), params)
+           for _ in range(batch)]
+    scheduler = engine.scheduler
+    while scheduler.num_waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        engine.step()  # the prompts, in steps of PREFILL_LEN tokens
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    forward_seconds = decode_forward_seconds(engine)
+    context_tokens = sum(request.num_tokens for request in scheduler.running)
+    start = time.perf_counter()
+    for _ in range(steps):
+        outputs = engine.step()
+        assert len(outputs) == batch, "every sequence must decode in every timed step"
+    engine_seconds = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort(request_id)
+    kv_bytes = model.kv_bytes(context_tokens + batch * steps / 2)  # the mean over the timed steps
+    floor_seconds = (model.decode_weight_bytes + kv_bytes) / copy_rate
+    return batch * steps / engine_seconds, forward_seconds, floor_seconds
+
+
+def decode_forward_seconds(engine: LLMEngine, reps: int = 20) -> float:
+    """GPU seconds of one decode forward: back-to-back replays of the next step's graph.
+    The step is then run for real, so the engine's books stay straight."""
+    output = engine.schedule()
+    runner = engine.runner
+    inputs = prepare_inputs(output.scheduled, runner.block_table, engine.args.block_size)
+    assert inputs.is_decode, "the next step is not a decode step"
+
+    def forwards() -> None:
+        for _ in range(reps):
+            runner.decode_graphs.run(runner.decode_forward, inputs.token_ids, inputs.positions, inputs.attn)
+
+    seconds = best_seconds(engine.ops.stream, forwards, reps=3) / reps
+    engine.postprocess(output, engine.execute(output))
+    return seconds
+
+
+def run_prefill(model: Model, length: int, reps: int, rng) -> float:
+    """Best seconds of one engine step that computes a `length`-token prompt and samples its first token."""
+    engine = model.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    best = math.inf
+    for rep in range(reps + 1):  # the first run plans this shape's GEMMs
+        engine.add_request(rng.integers(0, model.config.vocab_size, length).tolist(), params)
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        assert len(outputs) == 1 and outputs[0].finished, "the prompt must be computed in one step"
+        if rep:
+            best = min(best, seconds)
+    return best
+
+
+def transformers_decode(num_layers: int, new_tokens: int) -> tuple[float, float] | None:
+    """(tokens/s of generate, decode-only tokens/s with the prompt's forward taken out) for
+    batch 1 after a PROMPT_LEN prompt, static cache compiled by generate; None without
+    torch, transformers or a CUDA torch."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    hf = {k: v for k, v in LLAMA_3_1_8B.items() if k != "architectures"}
+    config = transformers.LlamaConfig(**{**hf, "num_hidden_layers": num_layers})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, PROMPT_LEN), device="cuda")
+    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+              "cache_implementation": "static", "pad_token_id": config.eos_token_id}
+
+    def timed(work) -> float:
+        work()  # the first generate compiles the decode step
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        work()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.no_grad():
+        total = timed(lambda: model.generate(prompt, **kwargs))
+        prompt_forward = timed(lambda: model(prompt))
+    return new_tokens / total, (new_tokens - 1) / (total - prompt_forward)
+
+
+def verdict(value: float, target: float) -> str:
+    return f"{'meets' if value >= target else 'MISSES'} >= {target:g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=32, help="decoder layers (32 for the real shape)")
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per case")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="sparkd's share of the GPU; the rest is left to transformers (default %(default)s)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
+    logging.getLogger("sparkd").setLevel(logging.INFO)  # the KV plan and the graph captures
+
+    ops = CudaOps(dtype="bfloat16")
+    copy_rate = copy_bandwidth(ops.allocator, ops.stream)
+    gemm_flops = gemm_rate(ops.gemm, ops.allocator, ops.stream, ops.dtype)
+    print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s (read + written), bf16 GEMM 8192^3 "
+          f"{gemm_flops / 1e12:.0f} TFLOP/s; Llama-3.1-8B shape with {args.layers} layers", flush=True)
+    model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
+    rng = np.random.default_rng(0)
+    print("\n| measure | sparkd | ceiling | fraction | target |\n| --- | --- | --- | --- | --- |")
+    batch1_tokens_per_s = 0.0
+    for batch, context, target in ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE)):
+        tokens_per_s, forward_seconds, floor_seconds = run_decode(model, batch, context, args.steps, copy_rate, rng)
+        roofline = batch / floor_seconds
+        for how, value in (("engine step", tokens_per_s), ("forward only", batch / forward_seconds)):
+            print(f"| batch-{batch} decode, {context}-token context, {how} | {value:.1f} tok/s | "
+                  f"{roofline:.1f} tok/s | {value / roofline:.3f} | {verdict(value / roofline, target)} |", flush=True)
+        if batch == 1:
+            batch1_tokens_per_s = tokens_per_s
+            print(f"| batch-1 decode, engine step | {tokens_per_s:.1f} tok/s | | | "
+                  f"{verdict(tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s |", flush=True)
+    prefill_seconds = run_prefill(model, PREFILL_LEN, reps=3, rng=rng)
+    prefill_flops = model.prefill_flops(PREFILL_LEN) / prefill_seconds
+    print(f"| {PREFILL_LEN}-token prefill, engine step ({prefill_seconds * 1e3:.1f} ms) | "
+          f"{prefill_flops / 1e12:.0f} TFLOP/s | {gemm_flops / 1e12:.0f} TFLOP/s | {prefill_flops / gemm_flops:.3f} | "
+          f"{verdict(prefill_flops / gemm_flops, PREFILL_GEMM)} |", flush=True)
+
+    peer = None if args.no_transformers else transformers_decode(args.layers, new_tokens=PROMPT_LEN)
+    if peer is None:
+        print("\n# transformers baseline skipped (--no-transformers, or no CUDA torch)")
+        return 0
+    generate_tokens_per_s, decode_tokens_per_s = peer
+    print("\n| transformers, static cache, compiled, batch 1 | tok/s | sparkd engine / it | target |")
+    print("| --- | --- | --- | --- |")
+    print(f"| generate: {PROMPT_LEN}-token prompt + {PROMPT_LEN} new tokens | {generate_tokens_per_s:.1f} | "
+          f"{batch1_tokens_per_s / generate_tokens_per_s:.2f} | |")
+    ratio = batch1_tokens_per_s / decode_tokens_per_s
+    print(f"| decode only (the prompt's forward taken out) | {decode_tokens_per_s:.1f} | {ratio:.2f} | "
+          f"{verdict(ratio, VS_TRANSFORMERS)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# tools/gpu_check.sh OUTDIR — the whole GPU check in one command, on a GPU machine with no
+# package registry. Installs the wheels brought along in .whl/, prints versions and
+# nvidia-smi, builds every kernel (which fills the compile cache for the tests), runs the
+# tests in tests/gpu, then the GPU benchmarks. Each step logs to OUTDIR/<step>.log and has
+# a time limit (SIGINT first, so pytest still prints its summary and Python a traceback),
+# so the whole check stays under 9 minutes; a failed or timed-out step does not stop the
+# others, and the script exits non-zero if any failed.
+set -uo pipefail
+
+if [ $# -ne 1 ]; then
+    echo "usage: $0 OUTDIR" >&2
+    exit 2
+fi
+OUT=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+
+failed=()
+
+# run_step NAME SECONDS COMMAND...: log to OUT/NAME.log, stop it after SECONDS, show its
+# tail, remember a failure (exit 124 is a timeout).
+run_step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit} s): $*"
+    local start=$SECONDS
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local status=$?
+    tail -n 25 "$OUT/$name.log"
+    if [ $status -eq 0 ]; then
+        echo "=== $name: ok ($((SECONDS - start)) s)"
+    else
+        echo "=== $name: FAILED with exit $status ($((SECONDS - start)) s), log in $OUT/$name.log"
+        failed+=("$name")
+    fi
+}
+
+install_wheels() {
+    shopt -s nullglob
+    local wheels=(.whl/*.whl)
+    if [ ${#wheels[@]} -eq 0 ]; then
+        echo "no wheels in .whl/: using what is installed"
+        return 0
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
+}
+
+versions() {
+    python3 - <<'PY'
+import importlib.metadata as md
+import sys
+
+print("python", sys.version.split()[0])
+for name in ("numpy", "cuda-bindings", "cuda-core", "cuda-pathfinder", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime",
+             "nvidia-cublas", "nvmath-python", "torch", "transformers", "safetensors", "tokenizers", "starlette",
+             "msgspec", "pytest", "nvtx"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name} (not installed)")
+PY
+    nvidia-smi
+}
+
+# `timeout` runs a command, not a shell function: export the ones it runs.
+export -f install_wheels versions
+run_step install_wheels 30 bash -c install_wheels
+export PYTHONPATH=/tmp/site:$PWD
+export SPARKD_CACHE_DIR=${SPARKD_CACHE_DIR:-$OUT/cache}
+
+run_step versions 15 bash -c versions
+run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
+# Only tests/gpu: the API tests import packages the GPU machine lacks (openai), and
+# --confcutdir keeps tests/conftest.py (the API server fixtures) from loading.
+run_step pytest_gpu 200 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
+# The GPU benchmarks only; name SECONDS.
+for bench in bench_gemm:35 bench_attention:35 bench_kernels:35 bench_decode:125; do
+    name=${bench%%:*}
+    if [ -f "tools/$name.py" ]; then
+        run_step "$name" "${bench##*:}" python3 "tools/$name.py"
+    else
+        echo "=== $name: tools/$name.py does not exist, skipped"
+    fi
+done
+
+if [ ${#failed[@]} -ne 0 ]; then
+    echo "FAILED steps: ${failed[*]}"
+    exit 1
+fi
+echo "all steps passed; logs in $OUT"
