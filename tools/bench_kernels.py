@@ -30,7 +30,6 @@ from sparkd.backend.cuda.driver import Stream, call, init_device
 from sparkd.backend.cuda.kernels import (
     activation,
     embedding,
-    logits,
     norm,
     rope_kv,
     sampling,
@@ -121,12 +120,7 @@ def bench_layer_ops(b: Bench, tokens: int) -> None:
              3 * tokens * INTERMEDIATE * item)
 
 
-def bench_logits_and_sampling(b: Bench, rows: int) -> None:
-    half_logits = b.ones((rows, VOCAB))
-    fp32_logits = b.allocator.empty((rows, VOCAB), DType.float32)
-    b.report("to_float32", f"{rows}x{VOCAB}", lambda: logits.to_float32(fp32_logits, half_logits, b.stream),
-             rows * VOCAB * (b.dtype.itemsize + 4))
-
+def bench_sampling(b: Bench, rows: int) -> None:
     raw = b.upload(3 * b.rng.standard_normal((rows, VOCAB), dtype=np.float32), DType.float32)
     prompt = b.rng.integers(0, VOCAB, size=1024).tolist()
     workspace = b.allocator.empty((rows, VOCAB), DType.float32)
@@ -162,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.stream.synchronize()
         bench.allocator.release_cached()
     for rows in args.rows:
-        bench_logits_and_sampling(bench, rows)
+        bench_sampling(bench, rows)
     return 0
 
 
