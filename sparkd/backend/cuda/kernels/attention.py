@@ -24,7 +24,7 @@ from ..tensor import DeviceTensor
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (DType.bfloat16, DType.float16, DType.float32)
-MIN_SPLIT_KEYS = 128  # kMinSplitKeys in attention_common.cuh
+MIN_SPLIT_KEYS = 128  # kMinSplitKeys in attention_decode.cu
 MAX_SPLITS = 128
 DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
 
@@ -99,32 +99,36 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _sizes(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata) -> _Sizes:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    return _Sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, meta.num_seqs, q.dtype)
+
+
 def _check(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
            meta: CudaAttentionMetadata) -> _Sizes:
     _require(q.ndim == 3, f"q must be [T, Hq, D], got shape {q.shape}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    _require(head_dim in HEAD_DIMS, f"head_dim {head_dim} is not supported; expected one of {HEAD_DIMS}")
+    _require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
+             f"k_cache and v_cache must both be [NB, Hkv, BS, D], got {k_cache.shape} and {v_cache.shape}")
+    sizes = _sizes(q, k_cache, meta)
+    _require(sizes.head_dim in HEAD_DIMS, f"head_dim {sizes.head_dim} is not supported; expected one of {HEAD_DIMS}")
     _require(q.dtype in DTYPES, f"q dtype {q.dtype.name} is not supported; expected one of {[d.name for d in DTYPES]}")
     for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         _require(t.is_contiguous, f"{name} must be contiguous, got {t}")
         _require(t.ptr % 16 == 0, f"{name} must be 16-byte aligned for vector loads, got {t}")
         _require(t.dtype is q.dtype, f"{name} dtype {t.dtype.name} differs from q's {q.dtype.name}")
     _require(out.shape == q.shape, f"out shape {out.shape} must equal q shape {q.shape}")
-    _require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
-             f"k_cache and v_cache must both be [NB, Hkv, BS, D], got {k_cache.shape} and {v_cache.shape}")
-    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
-    _require(cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} differs from q's {head_dim}")
-    _require(num_q_heads % num_kv_heads == 0,
-             f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    num_seqs = meta.num_seqs
-    _require(num_seqs <= _MAX_GRID_YZ and num_kv_heads <= _MAX_GRID_YZ,
-             f"{num_seqs} sequences x {num_kv_heads} kv heads exceed the grid limit {_MAX_GRID_YZ}")
-    for name, t, shape in (("query_start_loc", meta.query_start_loc, (num_seqs + 1,)),
-                           ("seq_lens", meta.seq_lens, (num_seqs,)),
-                           ("block_tables", meta.block_tables, (num_seqs, meta.block_tables.shape[-1]))):
+    _require(k_cache.shape[3] == sizes.head_dim, f"cache head_dim {k_cache.shape[3]} differs from q's {sizes.head_dim}")
+    _require(sizes.num_q_heads % sizes.num_kv_heads == 0,
+             f"num_q_heads {sizes.num_q_heads} must be a multiple of num_kv_heads {sizes.num_kv_heads}")
+    _require(sizes.num_seqs <= _MAX_GRID_YZ and sizes.num_kv_heads <= _MAX_GRID_YZ,
+             f"{sizes.num_seqs} sequences x {sizes.num_kv_heads} kv heads exceed the grid limit {_MAX_GRID_YZ}")
+    for name, t, shape in (("query_start_loc", meta.query_start_loc, (sizes.num_seqs + 1,)),
+                           ("seq_lens", meta.seq_lens, (sizes.num_seqs,)),
+                           ("block_tables", meta.block_tables, (sizes.num_seqs, meta.block_tables.shape[-1]))):
         _require(t.dtype is DType.int32 and t.shape == shape and t.is_contiguous,
                  f"meta.{name} must be contiguous int32 of shape {shape}, got {t}")
-    return _Sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_seqs, q.dtype)
+    return sizes
 
 
 def _common_args(q, k_cache, v_cache, meta: CudaAttentionMetadata, sizes: _Sizes, scale: float) -> list:
@@ -154,9 +158,9 @@ def prefill_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor,
 def choose_num_splits(num_blocks: int, max_seq_len: int, num_sms: int) -> int:
     """How many splits of its keys each decode block gets (flash-attention 2's wave heuristic).
 
-    num_blocks: blocks without splitting (sequences x kv heads x head chunks). None
-    when they already fill the GPU; otherwise the fewest splits whose waves are at
-    least 85% as full as the best count's, never splits shorter than MIN_SPLIT_KEYS."""
+    num_blocks: blocks without splitting (sequences x kv heads x head chunks). No
+    split when they already fill the GPU; otherwise the fewest splits whose waves are
+    at least 85% as full as the best count's, and none shorter than MIN_SPLIT_KEYS."""
     slots = num_sms * _RESIDENT_BLOCKS_PER_SM
     if num_blocks >= 0.8 * slots:
         return 1
@@ -178,8 +182,7 @@ def _split_numel(sizes: _Sizes) -> int:
 
 def decode_workspace_numel(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata) -> int:
     """float32 elements of workspace that decode_attention uses for these shapes; 0 when it needs none."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    sizes = _Sizes(num_tokens, num_q_heads, k_cache.shape[1], head_dim, k_cache.shape[2], meta.num_seqs, q.dtype)
+    sizes = _sizes(q, k_cache, meta)
     num_splits = choose_num_splits(_decode_blocks(sizes), meta.max_seq_len, current_device().sm_count)
     return 0 if num_splits == 1 else num_splits * _split_numel(sizes)
 
@@ -187,8 +190,8 @@ def decode_workspace_numel(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAtt
 def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
                      meta: CudaAttentionMetadata, scale: float, stream: Stream | None,
                      workspace: DeviceTensor | None = None) -> None:
-    """out [B, Hq, D] = attention of each sequence's one new token (row b of q is sequence b's)
-    to its cached keys 0..seq_lens[b]-1, split over the keys when that fills the GPU better.
+    """out [B, Hq, D] = attention of each sequence's one new token (row query_start_loc[b]
+    of q) to its cached keys 0..seq_lens[b]-1, split over the keys when that fills the GPU better.
 
     The grid depends only on host sizes (meta.max_seq_len, the SM count, the
     workspace): blocks read each sequence's length from the device seq_lens, so a

@@ -1,0 +1,243 @@
+"""Paged attention kernels against numpy: an independent dense formula in float64, and
+the numpy backend's paged_attention.
+
+Relative error is max |out - ref| / max |ref| over the whole output: <= 1e-5 in fp32,
+<= 1e-2 in bf16/fp16. Inputs are rounded to the dtype first, so the reference sees
+what the device holds. Unused cache slots are poisoned (NaN or a large value), so a
+kernel that reads past a sequence, or through a wrong block, fails loudly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from sparkd.backend.base import AttentionMetadata
+from sparkd.backend.dtypes import DType
+
+attention = pytest.importorskip("sparkd.backend.cuda.kernels.attention")
+from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
+from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class Batch:
+    """One step on the host: q [T, Hq, D], caches [NB, Hkv, BS, D], and its metadata."""
+
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    meta: AttentionMetadata
+
+
+def make_batch(rng, query_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size,
+               poison=np.nan) -> Batch:
+    """Sequences whose blocks are scattered over the cache; every slot that is not a key is `poison`."""
+    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 3  # spare blocks hold only poison
+    order = rng.permutation(num_blocks)
+    block_tables = np.zeros((len(seq_lens), max(blocks_needed)), np.int32)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache, v_cache = np.full(shape, poison, np.float32), np.full(shape, poison, np.float32)
+    slots, used = [], 0
+    for s, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        block_tables[s, :blocks_needed[s]] = order[used:used + blocks_needed[s]]
+        used += blocks_needed[s]
+        pos = np.arange(seq_len)
+        blocks, offsets = block_tables[s, pos // block_size], pos % block_size
+        k_cache[blocks, :, offsets] = rng.standard_normal((seq_len, num_kv_heads, head_dim))
+        v_cache[blocks, :, offsets] = rng.standard_normal((seq_len, num_kv_heads, head_dim))
+        slots.append(blocks[seq_len - query_len:] * block_size + offsets[seq_len - query_len:])
+    # A scale of 3 makes the softmax peaked, so the output is O(1) even over 32k keys.
+    q = 3 * rng.standard_normal((sum(query_lens), num_q_heads, head_dim)).astype(np.float32)
+    meta = AttentionMetadata(
+        query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
+        seq_lens=np.asarray(seq_lens, np.int32), block_tables=block_tables,
+        slot_mapping=np.concatenate(slots).astype(np.int32),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    return Batch(q, k_cache, v_cache, meta)
+
+
+def dense_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> np.ndarray:
+    """softmax(q k^T * scale, causal) v per sequence, in float64, keys gathered from the blocks."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    # Query head h reads kv head h // group.
+    q_grouped = q.astype(np.float64).reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = np.zeros(q_grouped.shape)
+    for s, seq_len in enumerate(meta.seq_lens):
+        start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
+        pos = np.arange(seq_len)
+        blocks, offsets = meta.block_tables[s, pos // block_size], pos % block_size
+        keys = k_cache[blocks, :, offsets].astype(np.float64)  # [L, Hkv, D]
+        values = v_cache[blocks, :, offsets].astype(np.float64)
+        scores = np.einsum("tkgd,lkd->kgtl", q_grouped[start:end], keys) * scale
+        query_pos = seq_len - (end - start) + np.arange(end - start)
+        scores[..., pos[None, :] > query_pos[:, None]] = -np.inf
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[start:end] = np.einsum("kgtl,lkd->tkgd", probs, values)
+    return out.reshape(q.shape)
+
+
+def upload_meta(gpu, meta: AttentionMetadata, max_seq_len: int | None = None) -> CudaAttentionMetadata:
+    def up(array):
+        return gpu.upload(np.ascontiguousarray(array, np.int32), DType.int32)
+
+    return CudaAttentionMetadata(up(meta.query_start_loc), up(meta.seq_lens), up(meta.block_tables),
+                                 up(meta.slot_mapping), meta.max_query_len, max_seq_len or meta.max_seq_len)
+
+
+def run(gpu, batch: Batch, dtype: str, scale: float, decode: bool, max_seq_len: int | None = None,
+        workspace: bool = True):
+    """(device output, (q, k_cache, v_cache) as the device holds them), as float32 host arrays."""
+    q, k_cache, v_cache = (gpu.upload(a, dtype) for a in (batch.q, batch.k_cache, batch.v_cache))
+    meta = upload_meta(gpu, batch.meta, max_seq_len)
+    out = gpu.empty(q.shape, q.dtype)
+    if decode:
+        numel = attention.decode_workspace_numel(q, k_cache, meta) if workspace else 0
+        space = gpu.empty((numel,), DType.float32) if numel else None
+        attention.decode_attention(out, q, k_cache, v_cache, meta, scale, gpu.stream, workspace=space)
+    else:
+        attention.prefill_attention(out, q, k_cache, v_cache, meta, scale, gpu.stream)
+    return gpu.download(out), tuple(gpu.download(t).astype(np.float32) for t in (q, k_cache, v_cache))
+
+
+# query lengths and contexts of one mixed step: a single token, a fresh odd prompt, a chunk
+# after cached context, a decode riding along, a chunk ending on a block boundary, a long prompt.
+MIXED = ([1, 7, 17, 1, 48, 300], [1, 7, 40, 301, 64, 300])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,block_size", [(8, 2, 16), (7, 7, 5), (12, 1, 32)])
+def test_prefill_matches_dense(gpu, rel_error, tolerance, dtype, head_dim, num_q_heads, num_kv_heads, block_size):
+    rng = np.random.default_rng(head_dim + num_q_heads)
+    batch = make_batch(rng, *MIXED, num_q_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim ** -0.5
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, scale, decode=False)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, scale)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_matches_numpy_backend(gpu, rel_error, tolerance, dtype):
+    from sparkd.backend.cpu.attention import paged_attention, plan_attention
+
+    # The numpy backend reads padded positions and zeroes them by probability, so poison must be finite.
+    batch = make_batch(np.random.default_rng(1), *MIXED, 8, 2, 128, 16, poison=1e4)
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.1, decode=False)
+    expected = paged_attention(q, k_cache, v_cache, plan_attention(batch.meta), 0.1)
+    assert rel_error(out, expected) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_matches_dense(gpu, rel_error, tolerance, dtype, head_dim):
+    seq_lens = [1, 15, 16, 17, 100, 1000, 4097]
+    batch = make_batch(np.random.default_rng(head_dim), [1] * len(seq_lens), seq_lens, 8, 2, head_dim, 16)
+    scale = head_dim ** -0.5
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, scale, decode=True)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, scale)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_split_k_over_32k_context(gpu, rel_error, tolerance, dtype):
+    seq_lens = [32768, 20001]
+    assert attention.choose_num_splits(2 * 2, 32768, 132) > 1  # the case really splits
+    batch = make_batch(np.random.default_rng(2), [1, 1], seq_lens, 8, 2, 128, 16)
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 128 ** -0.5, decode=True)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 128 ** -0.5)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_with_loose_max_seq_len_as_in_a_graph(gpu, rel_error, tolerance, dtype):
+    """A captured graph sizes its grid for the longest context it serves; shorter ones must still be exact."""
+    seq_lens = [3, 129, 700, 2500]
+    batch = make_batch(np.random.default_rng(3), [1] * 4, seq_lens, 16, 4, 128, 16)
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True, max_seq_len=32768)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_group_over_16_heads(gpu, rel_error, tolerance, dtype):
+    batch = make_batch(np.random.default_rng(4), [1] * 3, [5, 333, 2000], 40, 2, 64, 16)
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_without_workspace_matches_split(gpu, rel_error, tolerance, dtype):
+    batch = make_batch(np.random.default_rng(5), [1] * 2, [3000, 77], 8, 8, 128, 16)
+    split, _ = run(gpu, batch, dtype, 0.1, decode=True)
+    single, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.1, decode=True, workspace=False)
+    expected = dense_attention(q, k_cache, v_cache, batch.meta, 0.1)
+    assert rel_error(split, expected) <= tolerance[dtype]
+    assert rel_error(single, expected) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_and_prefill_kernels_agree_on_a_decode_batch(gpu, rel_error, tolerance, dtype):
+    batch = make_batch(np.random.default_rng(6), [1] * 5, [1, 2, 63, 64, 65], 4, 2, 128, 16)
+    by_decode, _ = run(gpu, batch, dtype, 0.1, decode=True)
+    by_prefill, _ = run(gpu, batch, dtype, 0.1, decode=False)
+    assert rel_error(by_decode, by_prefill) <= tolerance[dtype]
+
+
+# ---- host-side rules: no GPU needed ----
+
+def test_num_splits_fill_the_gpu_only_when_the_batch_does_not():
+    assert attention.choose_num_splits(64 * 8, 1024, 132) == 1  # batch 64, 8 kv heads: full already
+    assert attention.choose_num_splits(8, 100, 132) == 1  # one split of >= MIN_SPLIT_KEYS holds it all
+    splits = attention.choose_num_splits(8, 32768, 132)  # batch 1: split until most of a wave is busy
+    assert 0.85 * 132 * 2 <= 8 * splits <= 132 * 2
+    assert attention.choose_num_splits(8, 1024, 132) <= 1024 // attention.MIN_SPLIT_KEYS
+
+
+def _tensor(shape, dtype=DType.bfloat16, ptr=1 << 20):
+    return DeviceTensor(ptr, shape, dtype)
+
+
+def _meta(num_seqs, max_query_len=1):
+    return CudaAttentionMetadata(_tensor((num_seqs + 1,), DType.int32), _tensor((num_seqs,), DType.int32),
+                                 _tensor((num_seqs, 4), DType.int32), _tensor((num_seqs,), DType.int32),
+                                 max_query_len, 64)
+
+
+@pytest.mark.parametrize("q_shape,cache_shape,message", [
+    ((4, 8, 96), (10, 2, 16, 96), "head_dim 96"),
+    ((4, 8, 128), (10, 3, 16, 128), "multiple of num_kv_heads"),
+    ((4, 8, 128), (10, 2, 16, 64), "cache head_dim"),
+])
+def test_launchers_name_the_bad_parameter(q_shape, cache_shape, message):
+    q, cache = _tensor(q_shape), _tensor(cache_shape)
+    with pytest.raises(ValueError, match=message):
+        attention.prefill_attention(_tensor(q_shape), q, cache, cache, _meta(4, 1), 0.1, None)
+
+
+def test_decode_refuses_a_prefill_step():
+    q, cache = _tensor((4, 8, 128)), _tensor((10, 2, 16, 128))
+    with pytest.raises(ValueError, match="max_query_len == 1"):
+        attention.decode_attention(_tensor((4, 8, 128)), q, cache, cache, _meta(2, 3), 0.1, None)
+
+
+def test_the_two_references_agree():
+    """The dense formula and the numpy backend are independent; agreeing, either can judge the kernels."""
+    from sparkd.backend.cpu.attention import paged_attention, plan_attention
+
+    batch = make_batch(np.random.default_rng(7), *MIXED, 12, 4, 64, 5, poison=1e4)
+    expected = dense_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.1)
+    actual = paged_attention(batch.q, batch.k_cache, batch.v_cache, plan_attention(batch.meta), 0.1)
+    assert np.max(np.abs(actual - expected)) <= 1e-5 * np.max(np.abs(expected))

@@ -1,0 +1,135 @@
+"""Paged attention kernels: decode as a fraction of the copy bandwidth, prefill in TFLOP/s.
+
+  python tools/bench_attention.py [--dtype bfloat16] [--iters 20]
+
+Llama-3.1-8B attention: 32 query heads sharing 8 kv heads of 128, blocks of 16
+tokens scattered over the cache. Decode (one token per sequence) at batch 1 and 64
+with 1k to 32k contexts is bound by reading K and V: bytes read / time, divided by
+the device-to-device copy rate of the same run (bytes read plus written), says how
+much of the memory system it uses. Prefill is an 8k-token prompt (and 8 prompts of
+1k), counted as 4 * Hq * D FLOPs per (query, visible key) pair.
+Each case cycles through enough caches to exceed twice the L2, as the layers of a
+model do, and the timed launches are replayed from one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_gemm import copy_bandwidth, timed_graph  # noqa: E402
+from cuda.bindings import driver  # noqa: E402
+
+from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
+from sparkd.backend.cuda.driver import Stream, call, init_device  # noqa: E402
+from sparkd.backend.cuda.kernels import attention  # noqa: E402
+from sparkd.backend.cuda.memory import DeviceAllocator  # noqa: E402
+from sparkd.backend.cuda.transfer import copy_to_device  # noqa: E402
+from sparkd.backend.dtypes import DType  # noqa: E402
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+_ONE_BITS = {DType.bfloat16: 0x3F80, DType.float16: 0x3C00}  # the values do not change the timing
+
+
+class Bench:
+    def __init__(self, dtype: DType, iters: int):
+        self.device = init_device()
+        self.dtype = dtype
+        self.iters = iters
+        self.stream = Stream()
+        self.allocator = DeviceAllocator()
+        self.l2_bytes = call(driver.cuDeviceGetAttribute,
+                             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, self.device.handle)
+
+    def filled(self, shape):
+        tensor = self.allocator.empty(shape, self.dtype)
+        call(driver.cuMemsetD16Async, tensor.ptr, _ONE_BITS[self.dtype], tensor.numel, self.stream.handle)
+        return tensor
+
+    def upload(self, array: np.ndarray):
+        tensor = self.allocator.empty(array.shape, DType.int32)
+        copy_to_device(tensor, np.ascontiguousarray(array, np.int32), self.stream)
+        self.stream.synchronize()  # the host array is pageable and local
+        return tensor
+
+    def step(self, query_lens: list[int], seq_lens: list[int]) -> tuple[CudaAttentionMetadata, int]:
+        """Device metadata of one step whose sequences own scattered blocks; and the blocks in use."""
+        blocks_needed = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+        order = np.random.default_rng(0).permutation(sum(blocks_needed)).astype(np.int32)
+        tables = np.zeros((len(seq_lens), max(blocks_needed)), np.int32)
+        for s, start in enumerate(np.cumsum([0, *blocks_needed[:-1]])):
+            tables[s, :blocks_needed[s]] = order[start:start + blocks_needed[s]]
+        meta = CudaAttentionMetadata(
+            self.upload(np.concatenate([[0], np.cumsum(query_lens)])), self.upload(np.asarray(seq_lens)),
+            self.upload(tables), self.upload(np.zeros(sum(query_lens))), max(query_lens), max(seq_lens))
+        return meta, sum(blocks_needed)
+
+    def caches(self, num_blocks: int) -> list:
+        """(k_cache, v_cache) pairs, enough of them to be twice the L2 together."""
+        shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        pair_bytes = 2 * math.prod(shape) * self.dtype.itemsize
+        return [(self.filled(shape), self.filled(shape)) for _ in range(math.ceil(2 * self.l2_bytes / pair_bytes))]
+
+    def time(self, query_lens: list[int], seq_lens: list[int], decode: bool) -> float:
+        """Seconds per attention call over one step's sequences."""
+        meta, num_blocks = self.step(query_lens, seq_lens)
+        q = self.filled((sum(query_lens), NUM_Q_HEADS, HEAD_DIM))
+        out = self.allocator.empty(q.shape, self.dtype)
+        caches = self.caches(num_blocks)
+        rotation = itertools.cycle(caches)
+        scale = HEAD_DIM ** -0.5
+        if decode:
+            numel = attention.decode_workspace_numel(q, caches[0][0], meta)
+            workspace = self.allocator.empty((numel,), DType.float32) if numel else None
+            seconds = timed_graph(self.stream, lambda: attention.decode_attention(
+                out, q, *next(rotation), meta, scale, self.stream, workspace=workspace), self.iters)
+        else:
+            seconds = timed_graph(self.stream, lambda: attention.prefill_attention(
+                out, q, *next(rotation), meta, scale, self.stream), self.iters)
+        self.stream.synchronize()
+        self.allocator.release_cached()  # the next case's caches need the room
+        return seconds
+
+
+def causal_flops(query_lens: list[int], seq_lens: list[int]) -> float:
+    """4 * Hq * D per (query, visible key): 2 for q.k, 2 for p.v."""
+    pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens))
+    return 4.0 * NUM_Q_HEADS * HEAD_DIM * pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+
+    bench = Bench(DType.parse(args.dtype), args.iters)
+    copy_rate = copy_bandwidth(bench.allocator, bench.stream)
+    print(f"# {bench.device.name} ({bench.device.arch}), {args.dtype}, Hq {NUM_Q_HEADS}, Hkv {NUM_KV_HEADS}, "
+          f"D {HEAD_DIM}, block {BLOCK_SIZE}; device-to-device copy {copy_rate / 1e12:.2f} TB/s (read + written)")
+    print("| decode batch | context | us/call | KV TB/s | fraction of copy |")
+    print("| --- | --- | --- | --- | --- |")
+    for batch in (1, 64):
+        for context in (1024, 4096, 16384, 32768):
+            seconds = bench.time([1] * batch, [context] * batch, decode=True)
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * bench.dtype.itemsize
+            print(f"| {batch} | {context} | {seconds * 1e6:.1f} | {kv_bytes / seconds / 1e12:.2f} | "
+                  f"{kv_bytes / seconds / copy_rate:.2f} |", flush=True)
+    print("\n| prefill | tokens | ms/call | TFLOP/s |")
+    print("| --- | --- | --- | --- |")
+    for name, query_lens in (("one prompt", [8192]), ("8 prompts", [1024] * 8)):
+        seconds = bench.time(query_lens, query_lens, decode=False)
+        flops = causal_flops(query_lens, query_lens)
+        print(f"| {name} | {sum(query_lens)} | {seconds * 1e3:.2f} | {flops / seconds / 1e12:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
