@@ -1,13 +1,23 @@
-"""cuBLASLt at Llama-3.1-8B decode shapes, as fractions of the copy bandwidth measured in the same run.
+"""cuBLASLt and the gemv kernel at decode shapes, as fractions of the copy bandwidth measured in
+the same run, and the measured table from which the engine picks one of them per shape.
 
-  python tools/bench_gemm.py [--dtype bfloat16] [--m 1 16 64 256] [--iters 50]
+  python tools/bench_gemm.py [--dtype bfloat16] [--m 1 2 4 8 16 64] [--iters 50] [--model DIR]
+                             [--write-table [PATH]]
 
 A GEMM at small M is bound by reading the weight, so bytes moved / time, divided
 by the device-to-device copy rate (bytes read plus written), says how much of the
 memory system it uses: 1.0 is the ceiling a skinny-GEMM kernel could reach.
 Each shape cycles through enough weight copies to exceed twice the L2, and the
 timed launches are replayed from one CUDA graph, so neither the cache nor Python
-launch overhead inflates the figures.
+launch overhead inflates the figures. lm_head writes fp32 logits, as the engine runs it.
+
+Shapes: Llama-3.1-8B's, plus those of the checkpoint at --model (its config.json).
+The "picks" column is what the engine's `Gemm` runs for that shape and M. With
+--write-table it comes from the table this run measures, written to PATH (by
+default this device's file in the sparkd cache, where the engine reads it; see
+sparkd/backend/cuda/gemm_table.py): for every shape and M tile (1, 2, 4, 8, 16)
+measured, the two fractions. Entries of shapes this run did not measure are kept.
+Without it, the column shows the table the engine would load now.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ import argparse
 import itertools
 import math
 import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,9 +36,20 @@ from cuda.bindings import driver  # noqa: E402
 
 from sparkd.backend.cuda.driver import Event, Stream, call, init_device  # noqa: E402
 from sparkd.backend.cuda.gemm import Gemm  # noqa: E402
+from sparkd.backend.cuda.gemm_table import (  # noqa: E402
+    GEMV,
+    GemmTable,
+    Measurement,
+    ShapeKey,
+    cache_table_path,
+    read_table,
+)
 from sparkd.backend.cuda.graphs import capture  # noqa: E402
+from sparkd.backend.cuda.kernels import gemv  # noqa: E402
 from sparkd.backend.cuda.memory import DeviceAllocator  # noqa: E402
+from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
+from sparkd.models.config import ModelConfig, read_hf_configs  # noqa: E402
 
 # Llama-3.1-8B: hidden 4096, 32 query / 8 kv heads of 128, intermediate 14336, vocab 128256. (N, K)
 SHAPES = {
@@ -36,6 +59,8 @@ SHAPES = {
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+LLAMA_LAYERS = 32
+LOGITS = "lm_head"  # written in fp32
 _BF16_ONE_BITS = 0x3F80  # weights hold 1.0: the values do not change the timing
 
 
@@ -118,52 +143,141 @@ def square_gemm_seconds(gemm: Gemm, allocator: DeviceAllocator, stream: Stream, 
     return best_seconds(stream, lambda: gemm(out, x, w), reps)
 
 
-def bench_shape(gemm: Gemm, allocator: DeviceAllocator, stream: Stream, dtype: DType, n: int, k: int, m: int,
-                iters: int, l2_bytes: int) -> tuple[float, float]:
-    """(bytes/s, FLOP/s) of out [m, n] = x [m, k] @ W[n, k]^T."""
-    weight_bytes = n * k * dtype.itemsize
-    copies = max(1, math.ceil(2 * l2_bytes / weight_bytes))
-    weights = [allocator.empty((n, k), dtype) for _ in range(copies)]
-    for w in weights:
-        call(driver.cuMemsetD16Async, w.ptr, _BF16_ONE_BITS, w.numel, stream.handle)
-    x = allocator.empty((m, k), dtype)
-    call(driver.cuMemsetD16Async, x.ptr, _BF16_ONE_BITS, x.numel, stream.handle)
-    out = allocator.empty((m, n), dtype)
-    rotation = itertools.cycle(weights)
-    seconds = timed_graph(stream, lambda: gemm(out, x, next(rotation)), iters)
-    moved = weight_bytes + (m * k + m * n) * dtype.itemsize
-    return moved / seconds, 2 * m * n * k / seconds
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) of each GEMM of a dense decoder layer, and of lm_head."""
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {"qkv": (q_width + 2 * kv_width, hidden), "o": (hidden, q_width), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter), LOGITS: (config.vocab_size, hidden)}
+
+
+@dataclass
+class Cell:
+    """One implementation at one shape and M."""
+
+    seconds: float  # per call
+    moved: int  # bytes read plus written
+    flops: float
+
+    def fraction(self, copy_rate: float) -> float:
+        return self.moved / self.seconds / copy_rate
+
+    def show(self, copy_rate: float) -> str:
+        return f"{self.fraction(copy_rate):.2f} [{self.flops / self.seconds / 1e12:.1f}]"
+
+
+class ShapeBench:
+    """One weight shape: copies of the weight cycled past the L2, timed through either implementation."""
+
+    def __init__(self, allocator: DeviceAllocator, stream: Stream, dtype: DType, out_dtype: DType, n: int, k: int,
+                 l2_bytes: int, iters: int):
+        self.allocator, self.stream, self.dtype, self.out_dtype, self.iters = allocator, stream, dtype, out_dtype, iters
+        copies = max(1, math.ceil(2 * l2_bytes / (n * k * dtype.itemsize)))
+        self.weights = [self.ones((n, k)) for _ in range(copies)]
+
+    def ones(self, shape: tuple[int, int]) -> DeviceTensor:
+        tensor = self.allocator.empty(shape, self.dtype)
+        call(driver.cuMemsetD16Async, tensor.ptr, _BF16_ONE_BITS, tensor.numel, self.stream.handle)
+        return tensor
+
+    def operands(self, m: int) -> tuple[DeviceTensor, DeviceTensor]:
+        """(x [m, K], out [m, N])."""
+        n, k = self.weights[0].shape
+        return self.ones((m, k)), self.allocator.empty((m, n), self.out_dtype)
+
+    def measure(self, run, x: DeviceTensor, out: DeviceTensor) -> Cell:
+        """`run(out, x, weight)`, cycling through the weight copies."""
+        rotation = itertools.cycle(self.weights)
+        seconds = timed_graph(self.stream, lambda: run(out, x, next(rotation)), self.iters)
+        (m, n), k = out.shape, x.shape[1]
+        return Cell(seconds, self.weights[0].nbytes + x.nbytes + out.nbytes, 2 * m * n * k)
+
+
+def bench_shapes(model_dir: str | None) -> dict[str, tuple[int, int]]:
+    shapes = dict(SHAPES)
+    if model_dir:
+        for name, shape in linear_shapes(ModelConfig.from_hf(*read_hf_configs(model_dir))).items():
+            if shape not in shapes.values():
+                shapes[f"model {name}"] = shape
+    return shapes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--model", metavar="DIR", help="also the GEMM shapes of this checkpoint (its config.json)")
+    parser.add_argument("--write-table", nargs="?", const="", metavar="PATH",
+                        help="write the measured table (default: this device's file in the sparkd cache)")
     args = parser.parse_args(argv)
+    if any(m < 1 for m in args.m):
+        parser.error(f"--m values must be >= 1, got {args.m}")
 
     device = init_device()
     dtype = DType.parse(args.dtype)
     stream = Stream()
     allocator = DeviceAllocator()
     gemm = Gemm(allocator, stream)
+    table_path = None
+    if args.write_table is not None:
+        table_path = Path(args.write_table) if args.write_table else cache_table_path(device.name, device.arch)
+        gemm.table = read_table(table_path) or GemmTable(device.name, device.arch)
     l2_bytes = call(driver.cuDeviceGetAttribute, driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE,
                     device.handle)
     print(f"# {device.name} ({device.arch}), {args.dtype}, L2 {l2_bytes / 2**20:.0f} MiB")
     copy_rate = copy_bandwidth(allocator, stream)
     print(f"# {args.dtype} GEMM 8192^3: {gemm_rate(gemm, allocator, stream, dtype) / 1e12:.0f} TFLOP/s")
-    print(f"# cells: fraction of the {copy_rate / 1e12:.2f} TB/s copy rate (read + written) [TFLOP/s]")
-    print("| M | " + " | ".join(f"{name} {n}x{k}" for name, (n, k) in SHAPES.items()) + " |")
-    print("| --- " * (len(SHAPES) + 1) + "|")
-    for m in args.m:
-        cells = []
-        for n, k in SHAPES.values():
-            rate, flops = bench_shape(gemm, allocator, stream, dtype, n, k, m, args.iters, l2_bytes)
-            cells.append(f"{rate / copy_rate:.2f} [{flops / 1e12:.1f}]")
-            stream.synchronize()
-            allocator.release_cached()  # the next shape's weight copies need the room
-        print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+    print(f"# cells: fraction of the {copy_rate / 1e12:.2f} TB/s copy rate (read + written) [TFLOP/s]; "
+          f"picks: what Gemm runs ({f'the table written to {table_path}' if table_path else 'the table in use'})")
+    print("| shape | M | cuBLASLt | gemv | picks |")
+    print("| --- | --- | --- | --- | --- |")
+    llama_seconds = {}  # Llama shape -> (cuBLASLt, as picked) seconds per call at M = 1
+    for name, (n, k) in bench_shapes(args.model).items():
+        out_dtype = DType.float32 if name.endswith(LOGITS) else dtype
+        bench = ShapeBench(allocator, stream, dtype, out_dtype, n, k, l2_bytes, args.iters)
+        for m in args.m:
+            x, out = bench.operands(m)
+            weight = bench.weights[0]
+            cublaslt = bench.measure(gemm.cublaslt, x, out)
+            fast = None
+            if gemv.unsupported_reason(x, weight) is None:
+                fast = bench.measure(lambda out, x, w: gemv.gemv(out, x, w, None, stream), x, out)
+                if table_path and m in gemv.M_TILES:
+                    gemm.table.entries[ShapeKey(n, k, dtype.name, m)] = Measurement(
+                        *(float(f"{cell.fraction(copy_rate):.4g}") for cell in (cublaslt, fast)))
+            picked = fast if gemm.picks_gemv(x, weight) else cublaslt
+            print(f"| {name} {n}x{k} | {m} | {cublaslt.show(copy_rate)} | "
+                  f"{fast.show(copy_rate) if fast else '-'} | {'gemv' if picked is fast else 'cuBLASLt'} |",
+                  flush=True)
+            if m == 1 and name in SHAPES:
+                llama_seconds[name] = (cublaslt.seconds, picked.seconds)
+        stream.synchronize()
+        allocator.release_cached()  # the next shape's weight copies need the room
+    if len(llama_seconds) == len(SHAPES):
+        print_llama_token(llama_seconds, dtype, copy_rate)
+    if table_path:
+        write_table(gemm.table, table_path, copy_rate, argv)
     return 0
+
+
+def print_llama_token(seconds: dict[str, tuple[float, float]], dtype: DType, copy_rate: float) -> None:
+    """The GEMMs of one Llama-3.1-8B decode token at M = 1: cuBLASLt alone, as picked, and the copy-rate floor."""
+    calls = {name: 1 if name == LOGITS else LLAMA_LAYERS for name in SHAPES}
+    cublaslt, picked = (sum(calls[name] * seconds[name][i] for name in SHAPES) for i in (0, 1))
+    floor = sum(calls[name] * n * k * dtype.itemsize for name, (n, k) in SHAPES.items()) / copy_rate
+    print(f"# Llama-3.1-8B GEMMs of one decode token at M=1: cuBLASLt {cublaslt * 1e3:.2f} ms, as picked "
+          f"{picked * 1e3:.2f} ms; weights at the copy rate {floor * 1e3:.2f} ms "
+          f"({floor / cublaslt:.2f} -> {floor / picked:.2f} of that floor)")
+
+
+def write_table(table: GemmTable, path: Path, copy_rate: float, argv: list[str] | None) -> None:
+    table.command = " ".join(["python", "tools/bench_gemm.py", *(sys.argv[1:] if argv is None else argv)])
+    table.measured_at = datetime.now(UTC).isoformat(timespec="seconds")
+    table.copy_rate = copy_rate
+    table.save(path)
+    wins = sum(entry.winner == GEMV for entry in table.entries.values())
+    print(f"# wrote {path}: gemv wins {wins} of {len(table.entries)} (shape, dtype, M tile) entries")
 
 
 if __name__ == "__main__":

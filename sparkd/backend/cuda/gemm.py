@@ -1,4 +1,6 @@
-"""GEMM through cuBLASLt (nvmath-python's low-level bindings): y = x @ W^T (+ bias).
+"""GEMM: y = x @ W^T (+ bias), through cuBLASLt (nvmath-python's low-level bindings)
+or, at decode-sized M where the measured table says it wins, the skinny-GEMM
+kernel (kernels/gemv.py; the table and how it is measured: gemm_table.py).
 
 Weights stay in the Hugging Face layout W [N, K] row-major. cuBLASLt is
 column-major, where row-major y [M, N] is y^T [N, M]; so it computes
@@ -22,7 +24,9 @@ from nvmath.bindings import cublas
 from nvmath.bindings import cublasLt as lt
 
 from ..dtypes import DType
-from .driver import Stream, ensure_context
+from .driver import Stream, current_device, ensure_context
+from .gemm_table import GEMV, GemmTable, load_table
+from .kernels import gemv
 from .memory import DeviceAllocator
 from .tensor import DeviceTensor
 
@@ -59,19 +63,7 @@ class GemmKey:
 
 def gemm_key(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None) -> GemmKey:
     """Validate the operands and name their plan. x [M, K] (rows may be spaced), weight [N, K], out [M, N]."""
-    if x.ndim != 2 or weight.ndim != 2 or out.ndim != 2:
-        raise ValueError(f"gemm wants 2-D operands, got x {x.shape}, weight {weight.shape}, out {out.shape}")
-    (m, k), (n, k_w) = x.shape, weight.shape
-    if k != k_w or out.shape != (m, n):
-        raise ValueError(f"gemm shapes do not match: x {x.shape} @ weight {weight.shape}^T -> out {out.shape}")
-    if x.dtype is not weight.dtype or x.dtype not in _DATA_TYPES:
-        raise ValueError(f"gemm needs x and weight of one float dtype, got {x.dtype.name} and {weight.dtype.name}")
-    if out.dtype not in (x.dtype, DType.float32):
-        raise ValueError(f"gemm output must be {x.dtype.name} or float32, got {out.dtype.name}")
-    if not (weight.is_contiguous and x.strides[1] == 1 and out.strides[1] == 1):
-        raise ValueError(f"gemm needs unit column strides and a contiguous weight: x {x}, weight {weight}, out {out}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype is not out.dtype):
-        raise ValueError(f"bias must be [{n}] {out.dtype.name}, got {bias.shape} {bias.dtype.name}")
+    m, n, k = gemv.check_linear_operands(out, x, weight, bias)
     ptrs = (x.ptr, weight.ptr, out.ptr, bias.ptr if bias is not None else 0)
     return GemmKey(m, n, k, x.dtype, out.dtype, bias is not None, max(x.row_stride, k), max(out.row_stride, n),
                    tuple(pointer_alignment(p) for p in ptrs))
@@ -131,11 +123,12 @@ class _Plan:
 
 
 class Gemm:
-    """cuBLASLt matmuls on one stream, with one workspace and cached plans.
+    """Matmuls on one stream: cuBLASLt with one workspace and cached plans, or the gemv
+    kernel where `table` (default: this device's measured one) says it is faster.
 
     Capturable in CUDA graphs: the workspace and the host-side alpha/beta never move."""
 
-    def __init__(self, allocator: DeviceAllocator, stream: Stream):
+    def __init__(self, allocator: DeviceAllocator, stream: Stream, table: GemmTable | None = None):
         ensure_context()
         self.stream = stream
         self.handle = lt.create()
@@ -143,10 +136,29 @@ class Gemm:
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
         self._plans: dict[GemmKey, _Plan] = {}
+        if table is None:
+            device = current_device()
+            table = load_table(device.name, device.arch)
+        self.table = table
 
     def __call__(self, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
                  bias: DeviceTensor | None = None) -> None:
         """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])."""
+        gemv.check_linear_operands(out, x, weight, bias)
+        if self.picks_gemv(x, weight):
+            gemv.gemv(out, x, weight, bias, self.stream)
+        else:
+            self.cublaslt(out, x, weight, bias)
+
+    def picks_gemv(self, x: DeviceTensor, weight: DeviceTensor) -> bool:
+        """Whether x [M, K] @ weight [N, K]^T (valid operands) runs on the gemv kernel:
+        the table says it wins at this shape and M, and it can run these operands."""
+        (m, k), n = x.shape, weight.shape[0]
+        return self.table.pick(n, k, x.dtype, m) == GEMV and gemv.unsupported_reason(x, weight) is None
+
+    def cublaslt(self, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+                 bias: DeviceTensor | None = None) -> None:
+        """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) through cuBLASLt, whatever the table says."""
         key = gemm_key(out, x, weight, bias)
         if key.m == 0:
             return

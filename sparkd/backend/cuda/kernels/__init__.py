@@ -5,7 +5,7 @@ Each module exposes `SPECS` (every template instantiation it may launch, which
 their preconditions, pick the instantiation and grid, and enqueue on a stream.
 Outputs are passed in preallocated, so launches can be captured in CUDA graphs.
 
-Modules: activation, attention, embedding, norm, rope_kv, sampling
+Modules: activation, attention, embedding, gemv, norm, rope_kv, sampling
 (plus elementwise, owned by the runtime).
 
 This file holds what the launchers share: the element types the kernels are
