@@ -156,11 +156,10 @@ def transformers_bf16_logits(path, sequences: list[list[int]]) -> np.ndarray:
 
 @pytest.mark.parametrize("arch", list(VARIANTS))
 def test_bf16_teacher_forced_top1_agrees_with_fp32(arch, tmp_path, cuda_ops_factory):
-    """The bar is 99%, as a trained model on text reaches. A random tiny model's top-1
-    margin is often thinner than bf16 rounding: there transformers in bf16 agrees with
-    fp32 on only ~98.5-99.5% of positions. So: sparkd must reach 99% or, where
-    transformers misses it, agree as often as transformers does; and it may flip a
-    top-1 only where the fp32 margin is within twice transformers' bf16 logit error."""
+    """sparkd in bf16 must pick the fp32 reference's top-1 at >= 99% of teacher-forced
+    positions (prefill and decode), and may flip a top-1 only where the fp32 margin is
+    within twice transformers' own bf16 logit error. transformers' bf16 agreement is
+    printed beside it: on these random tiny models it is ~98.5-99.5%, so the bar is tight."""
     import torch
 
     oracle = pytest.importorskip("oracle")
@@ -181,7 +180,7 @@ def test_bf16_teacher_forced_top1_agrees_with_fp32(arch, tmp_path, cuda_ops_fact
     agreement, decode_agreement = matches.mean(), matches[:, PREFILL_LEN:].mean()
     print(f"{arch} bf16 top-1 agreement with fp32: sparkd {agreement:.4f} (decode steps {decode_agreement:.4f}), "
           f"transformers {transformers_agreement:.4f}")
-    assert agreement >= min(BF16_MIN_TOP1_AGREEMENT, transformers_agreement)
+    assert agreement >= BF16_MIN_TOP1_AGREEMENT
 
     top2 = np.sort(reference_logits, axis=-1)[..., -2:]
     margin = top2[..., 1] - top2[..., 0]
