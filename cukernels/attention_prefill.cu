@@ -10,7 +10,8 @@
 // A block owns the packed rows (token * group + head, see attention_common.cuh)
 // first_row .. first_row + ROWS of one (sequence, kv head) and walks the keys
 // its last row can see, in tiles.
-#include "attention_common.cuh"
+#include "attention_fp32.cuh"
+#include "attention_mma.cuh"
 
 using namespace sparkd;
 using namespace sparkd::attn;

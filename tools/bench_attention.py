@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_gemm import copy_bandwidth, timed_graph  # noqa: E402
+from bench_common import copy_bandwidth, timed_graph  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
 
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
@@ -47,6 +47,7 @@ class Bench:
         self.allocator = DeviceAllocator()
         self.l2_bytes = call(driver.cuDeviceGetAttribute,
                              driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, self.device.handle)
+        self.last_plan: attention.DecodePlan | None = None  # the plan of the last decode case timed
 
     def filled(self, shape):
         tensor = self.allocator.empty(shape, self.dtype)
@@ -88,6 +89,7 @@ class Bench:
         if decode:
             numel = attention.decode_workspace_numel(q, caches[0][0], meta)
             workspace = self.allocator.empty((numel,), DType.float32) if numel else None
+            self.last_plan = attention.decode_plan(q, caches[0][0], meta, workspace)
             seconds = timed_graph(self.stream, lambda: attention.decode_attention(
                 out, q, *next(rotation), meta, scale, self.stream, workspace=workspace), self.iters)
         else:
@@ -114,14 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     copy_rate = copy_bandwidth(bench.allocator, bench.stream)
     print(f"# {bench.device.name} ({bench.device.arch}), {args.dtype}, Hq {NUM_Q_HEADS}, Hkv {NUM_KV_HEADS}, "
           f"D {HEAD_DIM}, block {BLOCK_SIZE}; device-to-device copy {copy_rate / 1e12:.2f} TB/s (read + written)")
-    print("| decode batch | context | us/call | KV TB/s | fraction of copy |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| decode batch | context | splits / cluster / parts | us/call | KV TB/s | fraction of copy |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for batch in (1, 64):
         for context in (1024, 4096, 16384, 32768):
             seconds = bench.time([1] * batch, [context] * batch, decode=True)
             kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * bench.dtype.itemsize
-            print(f"| {batch} | {context} | {seconds * 1e6:.1f} | {kv_bytes / seconds / 1e12:.2f} | "
-                  f"{kv_bytes / seconds / copy_rate:.2f} |", flush=True)
+            plan = bench.last_plan
+            print(f"| {batch} | {context} | {plan.num_splits} / {plan.cluster} / {plan.num_parts} | "
+                  f"{seconds * 1e6:.1f} | {kv_bytes / seconds / 1e12:.2f} | {kv_bytes / seconds / copy_rate:.2f} |",
+                  flush=True)
     print("\n| prefill | tokens | ms/call | TFLOP/s |")
     print("| --- | --- | --- | --- |")
     for name, query_lens in (("one prompt", [8192]), ("8 prompts", [1024] * 8)):

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda.bindings import driver  # noqa: E402
 
-from sparkd.backend.cuda.driver import Event, Stream, call, init_device  # noqa: E402
+from bench_common import best_seconds, copy_bandwidth, timed_graph  # noqa: E402
+from sparkd.backend.cuda.driver import Stream, call, init_device  # noqa: E402
 from sparkd.backend.cuda.gemm import Gemm  # noqa: E402
 from sparkd.backend.cuda.gemm_table import (  # noqa: E402
     GEMV,
@@ -44,7 +45,6 @@ from sparkd.backend.cuda.gemm_table import (  # noqa: E402
     cache_table_path,
     read_table,
 )
-from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.kernels import gemv  # noqa: E402
 from sparkd.backend.cuda.memory import DeviceAllocator  # noqa: E402
 from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
@@ -62,68 +62,6 @@ SHAPES = {
 LLAMA_LAYERS = 32
 LOGITS = "lm_head"  # written in fp32
 _BF16_ONE_BITS = 0x3F80  # weights hold 1.0: the values do not change the timing
-
-
-def timed_graph(stream: Stream, work, iters: int) -> float:
-    """Seconds per call of `work`, from a graph of `iters` calls replayed after a warm-up replay."""
-    work()
-    graph, _ = capture(stream, lambda: [work() for _ in range(iters)])
-    try:
-        graph.replay(stream)
-        start, end = Event(timing=True), Event(timing=True)
-        start.record(stream)
-        graph.replay(stream)
-        end.record(stream)
-        end.synchronize()
-        return start.elapsed_ms(end) / 1e3 / iters
-    finally:
-        graph.destroy()
-
-
-def copy_bandwidth(allocator: DeviceAllocator, stream: Stream, nbytes: int = 2 << 30, reps: int = 10) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read plus written.
-
-    The best of `reps` copies of `nbytes`, each timed alone by events, both issued
-    eagerly and replayed as a graph's memcpy node: the driver may serve the two from
-    different engines (the first H200 run measured only 2.77 TB/s from a graph of
-    copies, against 4.29 TB/s in GPU-FACTS.md), and the ceiling is the faster."""
-    rates = {mode: 2 * nbytes / seconds for mode, seconds in copy_seconds(allocator, stream, nbytes, reps).items()}
-    stream.synchronize()
-    allocator.release_cached()  # the copy buffers are free again
-    print(f"# device-to-device copy of {nbytes / 2**30:.0f} GiB, best of {reps}: "
-          + ", ".join(f"{mode} {rate / 1e12:.2f} TB/s" for mode, rate in rates.items()))
-    return max(rates.values())
-
-
-def copy_seconds(allocator: DeviceAllocator, stream: Stream, nbytes: int, reps: int) -> dict[str, float]:
-    """{"eager": s, "graph": s}: the fastest of `reps` timed copies of each kind."""
-    src = allocator.empty((nbytes,), DType.uint8)
-    dst = allocator.empty((nbytes,), DType.uint8)
-    call(driver.cuMemsetD8Async, src.ptr, 1, nbytes, stream.handle)
-
-    def copy() -> None:
-        call(driver.cuMemcpyDtoDAsync, dst.ptr, src.ptr, nbytes, stream.handle)
-
-    graph, _ = capture(stream, copy)
-    try:
-        return {"eager": best_seconds(stream, copy, reps),
-                "graph": best_seconds(stream, lambda: graph.replay(stream), reps)}
-    finally:
-        graph.destroy()
-
-
-def best_seconds(stream: Stream, work, reps: int) -> float:
-    """The fastest of `reps` runs of `work` (after one warm-up), each between two events."""
-    work()
-    start, end = Event(timing=True), Event(timing=True)
-    best = math.inf
-    for _ in range(reps):
-        start.record(stream)
-        work()
-        end.record(stream)
-        end.synchronize()
-        best = min(best, start.elapsed_ms(end) / 1e3)
-    return best
 
 
 def gemm_rate(gemm: Gemm, allocator: DeviceAllocator, stream: Stream, dtype: DType, size: int = 8192,

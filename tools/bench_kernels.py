@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_gemm import copy_bandwidth, timed_graph
+from bench_common import copy_bandwidth, timed_graph
 from cuda.bindings import driver
 
 from sparkd.backend.cuda.driver import Stream, call, init_device

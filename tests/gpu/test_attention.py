@@ -152,7 +152,7 @@ def test_decode_matches_dense(gpu, rel_error, tolerance, dtype, head_dim):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_split_k_over_32k_context(gpu, rel_error, tolerance, dtype):
     seq_lens = [32768, 20001]
-    assert attention.choose_num_splits(2 * 2, 32768, 132) > 1  # the case really splits
+    assert h200_plan(2, 8, 2, 128, dtype, 32768).num_parts > 1  # the case really goes through the combine kernel
     batch = make_batch(np.random.default_rng(2), [1, 1], seq_lens, 8, 2, 128, 16)
     out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 128 ** -0.5, decode=True)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 128 ** -0.5)) <= tolerance[dtype]
@@ -188,6 +188,30 @@ def test_decode_without_workspace_matches_split(gpu, rel_error, tolerance, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_of_short_contexts_runs_unsplit(gpu, rel_error, tolerance, dtype):
+    """Contexts of at most MIN_SPLIT_KEYS take the plain kernel (no cluster) on any GPU."""
+    seq_lens = [1, 5, 16, 17, 64, 100, 128]
+    batch = make_batch(np.random.default_rng(8), [1] * len(seq_lens), seq_lens, 12, 4, 128, 16)
+    assert h200_plan(len(seq_lens), 12, 4, 128, dtype, max(seq_lens)) == attention.DecodePlan(1, 1)
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.1, decode=True)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.1)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_of_many_sequences_of_mixed_length(gpu, rel_error, tolerance, dtype):
+    """A batch that nearly fills the GPU: on the H200, bf16 splits in single clusters (no combine)."""
+    rng = np.random.default_rng(9)
+    seq_lens = [1, 1100, *rng.integers(1, 1100, 38)]
+    batch = make_batch(rng, [1] * len(seq_lens), seq_lens, 16, 4, 64, 16)
+    if dtype == "bfloat16":
+        assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 1100) == attention.DecodePlan(8, 8)
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_and_prefill_kernels_agree_on_a_decode_batch(gpu, rel_error, tolerance, dtype):
     batch = make_batch(np.random.default_rng(6), [1] * 5, [1, 2, 63, 64, 65], 4, 2, 128, 16)
@@ -198,12 +222,52 @@ def test_decode_and_prefill_kernels_agree_on_a_decode_batch(gpu, rel_error, tole
 
 # ---- host-side rules: no GPU needed ----
 
+H200_SMS, H200_SHARED_PER_BLOCK = 132, 232448
+
+
+def h200_plan(num_seqs, num_q_heads, num_kv_heads, head_dim, dtype, max_seq_len, workspace_numel=1 << 40):
+    sizes = attention.AttentionSizes(num_seqs, num_q_heads, num_kv_heads, head_dim, 16, num_seqs, DType.parse(dtype))
+    return attention.plan_decode(sizes, max_seq_len, H200_SMS, H200_SHARED_PER_BLOCK, workspace_numel)
+
+
 def test_num_splits_fill_the_gpu_only_when_the_batch_does_not():
-    assert attention.choose_num_splits(64 * 8, 1024, 132) == 1  # batch 64, 8 kv heads: full already
+    assert attention.choose_num_splits(64 * 8, 1024, 132) == 1  # batch 64, 8 kv heads: 2 full waves of 2 per SM
     assert attention.choose_num_splits(8, 100, 132) == 1  # one split of >= MIN_SPLIT_KEYS holds it all
     splits = attention.choose_num_splits(8, 32768, 132)  # batch 1: split until most of a wave is busy
     assert 0.85 * 132 * 2 <= 8 * splits <= 132 * 2
     assert attention.choose_num_splits(8, 1024, 132) <= 1024 // attention.MIN_SPLIT_KEYS
+
+
+def test_num_splits_even_out_a_ragged_last_wave():
+    # 512 blocks at 3 per SM are 1.29 waves: 8 splits make 10.3 waves of short blocks.
+    assert attention.choose_num_splits(64 * 8, 1024, 132, blocks_per_sm=3, step=8) == 8
+    assert attention.choose_num_splits(132 * 3, 1024, 132, blocks_per_sm=3, step=8) == 1  # exactly one wave
+    assert attention.choose_num_splits(8, 32768, 132, blocks_per_sm=3, step=8) % 8 == 0
+
+
+def test_bf16_decode_blocks_fit_three_per_h200_sm():
+    sizes = attention.AttentionSizes(1, 32, 8, 128, 16, 1, DType.bfloat16)
+    assert attention._blocks_per_sm(attention._decode_smem_bytes(sizes), H200_SHARED_PER_BLOCK) == 3
+
+
+def test_llama_decode_plans_on_the_h200():
+    # Batch 1 at 1k: one cluster of 8 splits per kv head merges on chip; no workspace, no combine kernel.
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(8, 8)
+    # Batch 64: 8 splits turn 1.29 waves into 10.3.
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(8, 8)
+    # Batch 1 at 32k: several clusters per kv head, merged by the combine kernel.
+    long = h200_plan(1, 32, 8, 128, "bfloat16", 32768)
+    assert long.cluster == 8 and long.num_splits % 8 == 0 and long.num_parts > 1
+    # fp32 splits one by one, as many as the workspace holds.
+    fp32 = h200_plan(1, 32, 8, 128, "float32", 32768)
+    assert fp32.cluster == 1 and fp32.num_parts == fp32.num_splits > 1
+    part_numel = 32 * 129
+    assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=3 * part_numel) == attention.DecodePlan(3, 1)
+
+
+def test_decode_without_workspace_still_splits_in_one_cluster():
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 32768, workspace_numel=0) == attention.DecodePlan(8, 8)
+    assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=0) == attention.DecodePlan(1, 1)
 
 
 def _tensor(shape, dtype=DType.bfloat16, ptr=1 << 20):

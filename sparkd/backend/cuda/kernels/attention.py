@@ -1,7 +1,7 @@
 """Launchers for paged causal attention with GQA: varlen prefill and split-K decode.
 
 Kernels: cukernels/attention_prefill.cu and attention_decode.cu (shared pieces in
-attention_common.cuh). bf16 and fp16 run on tensor cores with fp32 softmax and
+attention_common.cuh, attention_mma.cuh, attention_fp32.cuh, attention_split.cuh). bf16 and fp16 run on tensor cores with fp32 softmax and
 accumulators; fp32 runs on CUDA cores with plain FMAs (no TF32), exact to rounding.
 
   q, out [T, Hq, D] contiguous        k_cache, v_cache [NB, Hkv, BS, D]
@@ -25,12 +25,13 @@ from ..tensor import DeviceTensor
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (DType.bfloat16, DType.float16, DType.float32)
 MIN_SPLIT_KEYS = 128  # kMinSplitKeys in attention_decode.cu
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # a multiple of DECODE_CLUSTER
 DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
+DECODE_CLUSTER = 8  # kDecodeCluster: splits a bf16 / fp16 thread-block cluster merges on chip
 
 _THREADS = 128
 _LOG2E = 1.4426950408889634
-_RESIDENT_BLOCKS_PER_SM = 2  # what the split heuristic counts as one full wave
+_RESERVED_SMEM = 1024  # shared memory the driver reserves per block (and once per SM)
 _MAX_GRID_YZ = 65535
 
 
@@ -48,15 +49,15 @@ class _Tile:
 
 
 # These mirror PrefillTile<D> (attention_prefill.cu), kDecodeRows / kDecodeKeys /
-# decode_stages<D> (attention_decode.cu) and kFp32Rows / kFp32Keys (attention_common.cuh).
+# decode_stages<D> (attention_decode.cu) and kFp32Rows / kFp32Keys (attention_fp32.cuh).
 _PREFILL_TILES = {64: _Tile(128, 64, 2), 128: _Tile(128, 32, 2), 256: _Tile(64, 32, 1)}
 _DECODE_TILES = {64: _Tile(16, 64, 2), 128: _Tile(16, 64, 2), 256: _Tile(16, 64, 1)}
 _FP32_TILE = _Tile(16, 32, 1)
 
 
 def _decode_merge_bytes(head_dim: int) -> int:
-    """Shared memory the decode kernel's final merge of its four warps reuses."""
-    return (64 * head_dim + 208) * 4
+    """Shared memory the bf16 / fp16 decode kernel's final merges reuse (DecodeMergeSmem)."""
+    return (64 * head_dim + 352) * 4
 
 
 def _prefill_spec(dtype: DType, head_dim: int) -> KernelSpec:
@@ -65,22 +66,24 @@ def _prefill_spec(dtype: DType, head_dim: int) -> KernelSpec:
     return KernelSpec("attention_prefill.cu", f"prefill_attention_kernel<{dtype.c_type}, {head_dim}>")
 
 
-def _decode_spec(dtype: DType, head_dim: int) -> KernelSpec:
+def _decode_spec(dtype: DType, head_dim: int, cluster: int) -> KernelSpec:
     if dtype is DType.float32:
         return KernelSpec("attention_decode.cu", f"decode_attention_fp32_kernel<{head_dim}>")
-    return KernelSpec("attention_decode.cu", f"decode_attention_kernel<{dtype.c_type}, {head_dim}>")
+    name = "decode_attention_cluster_kernel" if cluster > 1 else "decode_attention_kernel"
+    return KernelSpec("attention_decode.cu", f"{name}<{dtype.c_type}, {head_dim}>")
 
 
 def _combine_spec(dtype: DType, head_dim: int) -> KernelSpec:
     return KernelSpec("attention_decode.cu", f"decode_combine_kernel<{dtype.c_type}, {head_dim}>")
 
 
-SPECS = [make(dtype, head_dim) for dtype in DTYPES for head_dim in HEAD_DIMS
-         for make in (_prefill_spec, _decode_spec, _combine_spec)]
+SPECS = [spec for dtype in DTYPES for head_dim in HEAD_DIMS
+         for spec in (_prefill_spec(dtype, head_dim), _decode_spec(dtype, head_dim, 1), _combine_spec(dtype, head_dim),
+                      *([] if dtype is DType.float32 else [_decode_spec(dtype, head_dim, DECODE_CLUSTER)]))]
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class AttentionSizes:
     num_tokens: int
     num_q_heads: int
     num_kv_heads: int
@@ -99,14 +102,14 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _sizes(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata) -> _Sizes:
+def _sizes(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata) -> AttentionSizes:
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
-    return _Sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, meta.num_seqs, q.dtype)
+    return AttentionSizes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, meta.num_seqs, q.dtype)
 
 
 def _check(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
-           meta: CudaAttentionMetadata) -> _Sizes:
+           meta: CudaAttentionMetadata) -> AttentionSizes:
     _require(q.ndim == 3, f"q must be [T, Hq, D], got shape {q.shape}")
     _require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
              f"k_cache and v_cache must both be [NB, Hkv, BS, D], got {k_cache.shape} and {v_cache.shape}")
@@ -131,7 +134,7 @@ def _check(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: D
     return sizes
 
 
-def _common_args(q, k_cache, v_cache, meta: CudaAttentionMetadata, sizes: _Sizes, scale: float) -> list:
+def _common_args(q, k_cache, v_cache, meta: CudaAttentionMetadata, sizes: AttentionSizes, scale: float) -> list:
     return [q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             np.int32(meta.block_tables.shape[1]), np.int32(sizes.num_q_heads), np.int32(sizes.num_kv_heads),
             np.int32(sizes.block_size), np.float32(scale * _LOG2E)]
@@ -155,36 +158,93 @@ def prefill_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor,
         shared_mem=tile.smem_bytes(sizes.head_dim, sizes.dtype), stream=stream)
 
 
-def choose_num_splits(num_blocks: int, max_seq_len: int, num_sms: int) -> int:
+def choose_num_splits(num_blocks: int, max_seq_len: int, num_sms: int, blocks_per_sm: int = 2,
+                      step: int = 1) -> int:
     """How many splits of its keys each decode block gets (flash-attention 2's wave heuristic).
 
-    num_blocks: blocks without splitting (sequences x kv heads x head chunks). No
-    split when they already fill the GPU; otherwise the fewest splits whose waves are
-    at least 85% as full as the best count's, and none shorter than MIN_SPLIT_KEYS."""
-    slots = num_sms * _RESIDENT_BLOCKS_PER_SM
-    if num_blocks >= 0.8 * slots:
-        return 1
+    num_blocks: blocks without splitting (sequences x kv heads x head chunks), of which
+    blocks_per_sm fit on an SM at once. Candidates are 1 and the multiples of `step`,
+    none shorter than MIN_SPLIT_KEYS; the fewest splits whose waves are at least 85%
+    as full as the best candidate's win, so a batch that fills its waves stays whole."""
+    slots = num_sms * blocks_per_sm
     limit = max(1, min(MAX_SPLITS, slots, math.ceil(max_seq_len / MIN_SPLIT_KEYS)))
-    waves = [n * num_blocks / slots for n in range(1, limit + 1)]
-    efficiency = [w / math.ceil(w) for w in waves]
+    candidates = [1, *range(step, limit + 1, step)] if step > 1 else list(range(1, limit + 1))
+    efficiency = [n * num_blocks / slots / math.ceil(n * num_blocks / slots) for n in candidates]
     best = max(efficiency)
-    return next(n for n, e in enumerate(efficiency, start=1) if e >= 0.85 * best)
+    return next(n for n, e in zip(candidates, efficiency) if e >= 0.85 * best)
 
 
-def _decode_blocks(sizes: _Sizes) -> int:
+@dataclass(frozen=True)
+class DecodePlan:
+    """How decode_attention cuts each sequence's keys.
+
+    num_splits blocks share a sequence's keys (grid.x = head chunks x num_splits);
+    `cluster` consecutive splits form a part, merged on chip by a thread-block cluster
+    (1: no cluster); the combine kernel merges the num_parts parts through the workspace."""
+
+    num_splits: int
+    cluster: int
+
+    @property
+    def num_parts(self) -> int:
+        return self.num_splits // self.cluster
+
+
+def _decode_blocks(sizes: AttentionSizes) -> int:
     return sizes.num_seqs * sizes.num_kv_heads * math.ceil(sizes.group / DECODE_HEADS_PER_BLOCK)
 
 
-def _split_numel(sizes: _Sizes) -> int:
-    """Workspace floats one split needs: the normalised output and its log-sum-exp per head."""
+def _part_numel(sizes: AttentionSizes) -> int:
+    """Workspace floats one part needs: the normalised output and its log-sum-exp per head."""
     return sizes.num_seqs * sizes.num_q_heads * (sizes.head_dim + 1)
+
+
+def _decode_smem_bytes(sizes: AttentionSizes) -> int:
+    if sizes.dtype is DType.float32:
+        return _FP32_TILE.smem_bytes(sizes.head_dim, sizes.dtype)
+    return max(_DECODE_TILES[sizes.head_dim].smem_bytes(sizes.head_dim, sizes.dtype),
+               _decode_merge_bytes(sizes.head_dim))
+
+
+def _blocks_per_sm(smem_bytes: int, max_shared_per_block: int) -> int:
+    """Blocks that fit an SM by shared memory: the SM holds the per-block maximum plus
+    the 1 KiB the driver reserves, and each block takes its own 1 KiB too."""
+    return max(1, (max_shared_per_block + _RESERVED_SMEM) // (smem_bytes + _RESERVED_SMEM))
+
+
+def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_shared_per_block: int,
+                workspace_numel: int) -> DecodePlan:
+    """The splits that fill the GPU best, as far as `workspace_numel` floats hold the parts.
+
+    bf16 / fp16 split in clusters of DECODE_CLUSTER, so a sequence that fits one
+    cluster needs neither workspace nor the combine kernel; fp32 splits one by one."""
+    clustered = sizes.dtype is not DType.float32
+    step = DECODE_CLUSTER if clustered else 1
+    wanted = choose_num_splits(_decode_blocks(sizes), max_seq_len, num_sms,
+                               _blocks_per_sm(_decode_smem_bytes(sizes), max_shared_per_block), step)
+    if wanted == 1:
+        return DecodePlan(1, 1)
+    cluster = DECODE_CLUSTER if clustered else 1
+    num_parts = min(wanted // cluster, workspace_numel // _part_numel(sizes))
+    return DecodePlan(cluster * max(1, num_parts), cluster)
+
+
+def _plan_for(sizes: AttentionSizes, meta: CudaAttentionMetadata, workspace_numel: int) -> DecodePlan:
+    device = current_device()
+    return plan_decode(sizes, meta.max_seq_len, device.sm_count, device.max_shared_per_block_optin, workspace_numel)
+
+
+def decode_plan(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata,
+                workspace: DeviceTensor | None) -> DecodePlan:
+    """The plan decode_attention launches for these shapes and this workspace."""
+    return _plan_for(_sizes(q, k_cache, meta), meta, workspace.numel if workspace is not None else 0)
 
 
 def decode_workspace_numel(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata) -> int:
     """float32 elements of workspace that decode_attention uses for these shapes; 0 when it needs none."""
     sizes = _sizes(q, k_cache, meta)
-    num_splits = choose_num_splits(_decode_blocks(sizes), meta.max_seq_len, current_device().sm_count)
-    return 0 if num_splits == 1 else num_splits * _split_numel(sizes)
+    plan = _plan_for(sizes, meta, workspace_numel=MAX_SPLITS * _part_numel(sizes))
+    return 0 if plan.num_parts == 1 else plan.num_parts * _part_numel(sizes)
 
 
 def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
@@ -197,40 +257,33 @@ def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, 
     workspace): blocks read each sequence's length from the device seq_lens, so a
     captured graph replays correctly for any context up to meta.max_seq_len.
     workspace: float32 of at least decode_workspace_numel(q, k_cache, meta)
-    elements; with None (or less) every sequence runs in fewer or one split."""
+    elements; with None (or less) the splits form fewer parts, or one part that needs none."""
     sizes = _check(out, q, k_cache, v_cache, meta)
     _require(meta.max_query_len == 1, f"decode needs meta.max_query_len == 1, got {meta.max_query_len}")
     _require(sizes.num_tokens == sizes.num_seqs,
              f"decode needs one query token per sequence: {sizes.num_tokens} tokens for {sizes.num_seqs} sequences")
     if sizes.num_seqs == 0:
         return
-    num_splits = choose_num_splits(_decode_blocks(sizes), meta.max_seq_len, current_device().sm_count)
     if workspace is not None:
         _require(workspace.dtype is DType.float32 and workspace.is_contiguous,
                  f"workspace must be contiguous float32, got {workspace}")
-    capacity = workspace.numel // _split_numel(sizes) if workspace is not None else 1
-    num_splits = max(1, min(num_splits, capacity))
-
-    if num_splits == 1:
-        # Every sequence fits one split and is written directly: no workspace is touched.
+    plan = decode_plan(q, k_cache, meta, workspace)
+    if plan.num_parts == 1:
+        # Every sequence fits one part and is written directly: no workspace is touched.
         o_part = lse_part = np.uint64(0)
     else:
-        o_part = DeviceTensor(workspace.ptr, (sizes.num_seqs, sizes.num_q_heads, num_splits, sizes.head_dim),
+        o_part = DeviceTensor(workspace.ptr, (sizes.num_seqs, sizes.num_q_heads, plan.num_parts, sizes.head_dim),
                               DType.float32, owner=workspace.owner)
-        lse_part = DeviceTensor(workspace.ptr + o_part.nbytes, (sizes.num_seqs, sizes.num_q_heads, num_splits),
+        lse_part = DeviceTensor(workspace.ptr + o_part.nbytes, (sizes.num_seqs, sizes.num_q_heads, plan.num_parts),
                                 DType.float32, owner=workspace.owner)
-    tile = _FP32_TILE if sizes.dtype is DType.float32 else _DECODE_TILES[sizes.head_dim]
-    shared_mem = tile.smem_bytes(sizes.head_dim, sizes.dtype)
-    if sizes.dtype is not DType.float32:
-        shared_mem = max(shared_mem, _decode_merge_bytes(sizes.head_dim))
     head_chunks = math.ceil(sizes.group / DECODE_HEADS_PER_BLOCK)
-    get_kernel(_decode_spec(sizes.dtype, sizes.head_dim)).launch(
-        (head_chunks * num_splits, sizes.num_kv_heads, sizes.num_seqs), _THREADS,
-        [out, o_part, lse_part, *_common_args(q, k_cache, v_cache, meta, sizes, scale), np.int32(num_splits)],
-        shared_mem=shared_mem, stream=stream)
-    if num_splits > 1:
+    get_kernel(_decode_spec(sizes.dtype, sizes.head_dim, plan.cluster)).launch(
+        (head_chunks * plan.num_splits, sizes.num_kv_heads, sizes.num_seqs), _THREADS,
+        [out, o_part, lse_part, *_common_args(q, k_cache, v_cache, meta, sizes, scale), np.int32(plan.num_splits)],
+        shared_mem=_decode_smem_bytes(sizes), stream=stream)
+    if plan.num_parts > 1:
         get_kernel(_combine_spec(sizes.dtype, sizes.head_dim)).launch(
             (sizes.num_q_heads, sizes.num_seqs), sizes.head_dim,
             [out, o_part, lse_part, meta.query_start_loc, meta.seq_lens, np.int32(sizes.num_q_heads),
-             np.int32(num_splits)],
+             np.int32(plan.num_splits), np.int32(plan.cluster)],
             stream=stream)
