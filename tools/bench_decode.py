@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_gemm import best_seconds, copy_bandwidth, gemm_rate  # noqa: E402
+from bench_common import best_seconds, copy_bandwidth  # noqa: E402
+from bench_gemm import gemm_rate  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
 
 from sparkd import SamplingParams  # noqa: E402
