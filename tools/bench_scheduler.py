@@ -12,7 +12,7 @@ import time
 from sparkd.engine.block_table import PersistentBlockTable
 from sparkd.engine.model_runner import prepare_inputs
 from sparkd.engine.request import Request
-from sparkd.engine.sampling_batch import build_sampling_tensors
+from sparkd.engine.sampling_batch import SamplingBatch
 from sparkd.engine.sampling_params import SamplingParams
 from sparkd.engine.scheduler import Scheduler
 
@@ -42,11 +42,12 @@ def time_steps(scheduler: Scheduler, block_table: PersistentBlockTable, num_step
     """Mean milliseconds per step of schedule + prepare_inputs + sampling tensors + update."""
     sampled = [(7, None)] * scheduler.num_running  # what the sampler hands back; built once, outside the clock
     block_size = scheduler.kv.block_size
+    sampling_batch = SamplingBatch()  # as the model runner keeps one
     start = time.perf_counter()
     for _ in range(num_steps):
         output = scheduler.schedule()
         prepare_inputs(output.scheduled, block_table, block_size)
-        build_sampling_tensors([s.request for s in output.scheduled])
+        sampling_batch.tensors([s.request for s in output.scheduled])
         scheduler.update(output, sampled)
     elapsed = time.perf_counter() - start
     if scheduler.num_running != len(sampled):

@@ -16,7 +16,7 @@ from .request import Request
 class PersistentBlockTable:
     def __init__(self, num_rows: int, max_blocks_per_seq: int):
         self.table = np.zeros((num_rows, max_blocks_per_seq), np.int32)
-        self.lengths = np.zeros(num_rows, np.int64)
+        self._num_blocks = [0] * num_rows  # filled entries per row (a list: read per sequence per step)
         self._row_of: dict[str, int] = {}
         self._owner: list[Request | None] = [None] * num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
@@ -32,10 +32,10 @@ class PersistentBlockTable:
         row = self._row_of.get(request.request_id)
         if row is None or self._owner[row] is not request:
             row = self._assign(request)
-        known = self.lengths[row]
+        known = self._num_blocks[row]
         if known != len(block_ids):
             self.table[row, known:len(block_ids)] = block_ids[known:]
-            self.lengths[row] = len(block_ids)
+            self._num_blocks[row] = len(block_ids)
         return row
 
     def _assign(self, request: Request) -> int:
@@ -49,5 +49,5 @@ class PersistentBlockTable:
         row = self._free_rows.pop()
         self._row_of[request.request_id] = row
         self._owner[row] = request
-        self.lengths[row] = 0
+        self._num_blocks[row] = 0
         return row

@@ -133,11 +133,11 @@ class KVCacheManager:
         """
         request_id = request.request_id
         table = self.block_tables.get(request_id)
-        num_held = len(computed_block_ids) + (len(table) if table is not None else 0)
         num_tokens = request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
+        if table is not None and not computed_block_ids and num_tokens <= len(table) * self.block_size:
+            return table  # a decode step, most of the time
+        num_held = len(computed_block_ids) + (len(table) if table is not None else 0)
         num_needed = -(-num_tokens // self.block_size) - num_held
-        if table is not None and num_needed <= 0 and not computed_block_ids:
-            return table
         ref_cnt = self.pool.ref_cnt
         # A hit on a free cached block takes it out of the free queue too.
         num_revived = sum(1 for block_id in computed_block_ids if ref_cnt[block_id] == 0)

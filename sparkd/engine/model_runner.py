@@ -25,7 +25,7 @@ from .block_table import PersistentBlockTable
 from .kv_cache_manager import slot_mapping
 from .outputs import TokenLogprob
 from .request import Request
-from .sampling_batch import build_sampling_tensors
+from .sampling_batch import SamplingBatch
 
 try:
     import nvtx
@@ -65,35 +65,46 @@ class StepInputs:
 def prepare_inputs(scheduled, block_table: PersistentBlockTable, block_size: int) -> StepInputs:
     """Flatten `scheduled` (a list of ScheduledSequence) into StepInputs."""
     num_seqs = len(scheduled)
-    num_new = np.empty(num_seqs, np.int32)
-    starts = np.empty(num_seqs, np.int32)
-    rows = np.empty(num_seqs, np.int64)
+    # One pass gathers Python ints; numpy then builds each array at once (numpy's
+    # per-element access costs more than the list appends).
+    num_new: list[int] = []
+    starts: list[int] = []
+    rows: list[int] = []
     tokens: list[int] = []
-    sample_rows = []
+    sample_rows: list[int] = []
+    max_blocks = 0
     for i, s in enumerate(scheduled):
         req: Request = s.request
         lo = req.num_computed_tokens
         hi = lo + s.num_new_tokens
-        num_new[i], starts[i] = s.num_new_tokens, lo
-        rows[i] = block_table.row(req, s.block_ids)
+        num_new.append(s.num_new_tokens)
+        starts.append(lo)
+        rows.append(block_table.row(req, s.block_ids))
+        max_blocks = max(max_blocks, len(s.block_ids))
         tokens += req.token_slice(lo, hi)
         if hi == req.num_tokens:
             sample_rows.append(i)
 
+    num_new_array = np.array(num_new, np.int32)
+    starts_array = np.array(starts, np.int32)
     query_start_loc = np.zeros(num_seqs + 1, np.int32)
-    np.cumsum(num_new, out=query_start_loc[1:])
-    seq_lens = starts + num_new
-    num_tokens = int(query_start_loc[-1])
-    max_blocks = int(block_table.lengths[rows].max())
+    np.cumsum(num_new_array, out=query_start_loc[1:])
+    seq_lens = starts_array + num_new_array
+    num_tokens = len(tokens)
+    if num_tokens == num_seqs:  # a decode step: one token per sequence, at its first uncomputed position
+        seq_of_token = np.arange(num_seqs)
+        positions = starts_array
+    else:
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new_array)
+        positions = (np.arange(num_tokens, dtype=np.int32) - query_start_loc[seq_of_token]
+                     + starts_array[seq_of_token]).astype(np.int32)
     block_tables = block_table.table[rows, :max_blocks]
-    seq_of_token = np.repeat(np.arange(num_seqs), num_new)
-    positions = (np.arange(num_tokens, dtype=np.int32) - query_start_loc[seq_of_token] + starts[seq_of_token]).astype(np.int32)
     attn = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         block_tables=block_tables,
         slot_mapping=slot_mapping(block_tables, seq_of_token, positions, block_size),
-        max_query_len=int(num_new.max()),
+        max_query_len=max(num_new),
         max_seq_len=int(seq_lens.max()),
     )
     logits_indices = (query_start_loc[1:][sample_rows] - 1).astype(np.int32)
@@ -112,6 +123,7 @@ class ModelRunner:
         # Finished requests release their rows lazily, so allow some slack over max_num_seqs.
         self.block_table = PersistentBlockTable(2 * max_num_seqs, max_blocks_per_seq)
         self.decode_graphs = ops.decode_graph_runner(max_num_seqs, max_blocks_per_seq, max_model_len)
+        self.sampling_batch = SamplingBatch()
 
     def execute(self, output) -> list[SampledToken | None]:
         """Run one step of a SchedulerOutput; result i belongs to output.scheduled[i]
@@ -127,7 +139,7 @@ class ModelRunner:
                 self.block_table.release(request)
             inputs = prepare_inputs(scheduled, self.block_table, self.block_size)
             samplers = [scheduled[i].request for i in inputs.sample_rows]
-            sampling = build_sampling_tensors(samplers) if samplers else None
+            sampling = self.sampling_batch.tensors(samplers) if samplers else None
         with nvtx_range("forward"):
             logits = self._forward(inputs)
         results: list[SampledToken | None] = [None] * len(scheduled)
@@ -135,8 +147,10 @@ class ModelRunner:
             return results
         with nvtx_range("sample"):
             sampled = self.ops.sample(logits, sampling)
+        token_ids = sampled.token_ids.tolist()
         for j, row in enumerate(inputs.sample_rows):
-            results[row] = (int(sampled.token_ids[j]), _token_logprob(sampled, j, samplers[j]))
+            logprob = None if sampled.logprobs is None else _token_logprob(sampled, j, samplers[j])
+            results[row] = (token_ids[j], logprob)
         return results
 
     def _forward(self, inputs: StepInputs):

@@ -7,19 +7,60 @@ finishes in the scheduler every sequence reported as stopped by a stop string.
 
 Each RequestOutput is a snapshot of all n completions. Completions that got no
 tokens in this step carry `num_new_tokens == 0` and an empty `text_delta`, so a
-streaming consumer forwards only the ones with new tokens.
+streaming consumer forwards only the ones with new tokens. A snapshot's token_ids
+and logprobs are `PrefixView`s of lists that only grow: copying them every step
+would cost O(output length) per sequence per step.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from .detokenizer import Decoder, IncrementalDetokenizer
 from .outputs import CompletionOutput, RequestOutput, TokenLogprob
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .stop_strings import StopStringMatcher
+
+
+class PrefixView(Sequence):
+    """The first `length` items of a list that only ever grows: read-only, and fixed
+    although the list goes on growing, like a copy that costs O(1) to take.
+    Indexing and slicing behave as on a list; equal to a list or tuple of the same items."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list, length: int):
+        self._items = items
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            positions = range(self._length)[index]  # resolved within the prefix, never past it
+            if positions.step == 1:
+                return self._items[positions.start : positions.stop]
+            return [self._items[i] for i in positions]
+        if not -self._length <= index < self._length:
+            raise IndexError("PrefixView index out of range")
+        return self._items[index % self._length]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._length)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (list, tuple, PrefixView)):
+            return NotImplemented
+        return len(other) == self._length and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # mutable underneath, like the list it stands for
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass(eq=False)
@@ -40,31 +81,32 @@ class _SequenceState:
         the stop string that ended the sequence or None)."""
         self.request = request
         new_ids = request.output_token_ids[self.num_tokens:]
-        self.num_tokens = request.num_output_tokens
+        self.num_tokens += len(new_ids)
         if self.logprobs is not None:
             self.logprobs.extend(request.output_logprobs[len(self.logprobs):])
-        delta = self._decode(request, new_ids)
+        finished = request.status.finished
+        delta = self._decode(request, new_ids, finished)
         stop = None
-        if request.num_output_tokens < request.sampling_params.min_tokens:
+        if self.num_tokens < request.sampling_params.min_tokens:
             delta = self.stop_matcher.feed_unchecked(delta)  # as vLLM: no stop strings before min_tokens
         else:
             delta, stop = self.stop_matcher.feed(delta)
         if stop is not None:
             self.finish_reason, self.stop_reason = RequestStatus.FINISHED_STOPPED.value, stop
-        elif request.is_finished:
+        elif finished:
             delta += self.stop_matcher.flush()
             self.finish_reason, self.stop_reason = request.status.value, request.stop_reason
         self.text += delta
         return delta, len(new_ids), stop
 
-    def _decode(self, request: Request, new_ids: list[int]) -> str:
+    def _decode(self, request: Request, new_ids: list[int], finished: bool) -> str:
         """Text of the new tokens; a stop token's own text is left out unless asked for."""
         if self.detokenizer is None:
             return ""
-        if self._stopped_by_token(request) and not request.sampling_params.include_stop_str_in_output:
+        if finished and self._stopped_by_token(request) and not request.sampling_params.include_stop_str_in_output:
             new_ids = new_ids[:-1]
         delta = self.detokenizer.feed(new_ids)
-        return delta + self.detokenizer.flush() if request.is_finished else delta
+        return delta + self.detokenizer.flush() if finished else delta
 
     @staticmethod
     def _stopped_by_token(request: Request) -> bool:
@@ -78,8 +120,8 @@ class _SequenceState:
         return CompletionOutput(
             index=index,
             text=self.text,
-            token_ids=self.request.output_token_ids[: self.num_tokens],
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            token_ids=PrefixView(self.request.output_token_ids, self.num_tokens),
+            logprobs=None if self.logprobs is None else PrefixView(self.logprobs, len(self.logprobs)),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             text_delta=delta,
@@ -95,10 +137,6 @@ class _RequestState:
     sequences: list[_SequenceState] = field(default_factory=list)  # by sample_index
     error: str | None = None
 
-    @property
-    def finished(self) -> bool:
-        return all(seq.finish_reason is not None for seq in self.sequences)
-
     def snapshot(self, deltas: dict[int, tuple[str, int]]) -> RequestOutput:
         """deltas: sample_index -> (text delta, new tokens) of this step."""
         outputs = [seq.completion(i, *deltas.get(i, ("", 0))) for i, seq in enumerate(self.sequences)]
@@ -107,7 +145,7 @@ class _RequestState:
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
-            finished=self.finished,
+            finished=all(out.finish_reason is not None for out in outputs),
             num_cached_tokens=self.sequences[0].request.num_cached_tokens,
             error=self.error,
         )
@@ -172,11 +210,13 @@ class OutputProcessor:
             deltas.setdefault(state, {})[index] = (delta, num_new_tokens)
             if stop is not None:
                 stopped.append((request.request_id, stop))
-        outputs = [state.snapshot(step_deltas) for state, step_deltas in deltas.items()]
-        outputs += [state.snapshot({}) for state in failed]
-        for state in deltas:
-            if state.finished:
+        outputs = []
+        for state, step_deltas in deltas.items():
+            output = state.snapshot(step_deltas)
+            outputs.append(output)
+            if output.finished:
                 self._forget(state)
+        outputs += [state.snapshot({}) for state in failed]
         failed_ids = [seq.request.request_id for state in failed for seq in state.sequences]
         return outputs, stopped, failed_ids
 

@@ -196,13 +196,16 @@ class Scheduler:
         updated = []
         num_finished = 0
         kv = self.kv
+        block_size = kv.block_size
         running_status = RequestStatus.RUNNING
         for seq, sample in zip(output.scheduled, sampled):
             request = seq.request
             if request.status is not running_status:
                 continue  # finished (aborted) since schedule()
-            request.num_computed_tokens += seq.num_new_tokens
-            kv.cache_full_blocks(request)
+            num_computed = request.num_computed_tokens
+            request.num_computed_tokens = num_computed + seq.num_new_tokens
+            if request.num_computed_tokens // block_size > num_computed // block_size:
+                kv.cache_full_blocks(request)  # only a block that just filled up can be new to the cache
             if sample is None:
                 continue
             token_id, logprob = sample

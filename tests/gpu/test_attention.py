@@ -251,13 +251,17 @@ def test_bf16_decode_blocks_fit_three_per_h200_sm():
 
 
 def test_llama_decode_plans_on_the_h200():
+    # The rules follow the H200 measurements quoted in plan_decode's docstring.
     # Batch 1 at 1k: one cluster of 8 splits per kv head merges on chip; no workspace, no combine kernel.
     assert h200_plan(1, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(8, 8)
-    # Batch 64: 8 splits turn 1.29 waves into 10.3.
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(8, 8)
-    # Batch 1 at 32k: several clusters per kv head, merged by the combine kernel.
+    # Batch 1 at 4k: four clusters, merged by the combine kernel.
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 4096) == attention.DecodePlan(32, 8)
+    # Batch 1 at 32k: past MAX_CLUSTER_PARTS clusters, plain splits and the combine kernel.
     long = h200_plan(1, 32, 8, 128, "bfloat16", 32768)
-    assert long.cluster == 8 and long.num_splits % 8 == 0 and long.num_parts > 1
+    assert long.cluster == 1 and long.num_splits > attention.MAX_CLUSTER_PARTS * attention.DECODE_CLUSTER
+    # Batch 64 fills the GPU unsplit: at 1k no split is long enough; from 4k, one cluster of 512+ keys.
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(1, 1)
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 4096) == attention.DecodePlan(8, 8)
     # fp32 splits one by one, as many as the workspace holds.
     fp32 = h200_plan(1, 32, 8, 128, "float32", 32768)
     assert fp32.cluster == 1 and fp32.num_parts == fp32.num_splits > 1

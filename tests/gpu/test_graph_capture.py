@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sparkd.backend.base import AttentionMetadata
-from sparkd.backend.cuda.decode_graphs import pad_decode_inputs, pad_decode_shapes
+from sparkd.backend.cuda.decode_graphs import DecodeLayout, stage_decode_inputs
 from sparkd.backend.cuda.graphs import FAIL_CAPTURE_ENV, bucket_for, default_buckets
 from sparkd.backend.dtypes import DType
 
@@ -48,22 +48,39 @@ def test_default_buckets():
     assert bucket_for(3, [1, 2, 4, 8]) == 4 and bucket_for(9, [1, 2, 4, 8]) is None
 
 
-def test_padding_keeps_real_rows_and_makes_padding_harmless():
+def device_image(layout, host, batch, width, region):
+    """What the runner's two H2D copies make of a bucket's region: the per-step bytes as
+    staged, then the step's [batch, width] block ids into rows max_blocks wide."""
+    start = layout.block_tables_offset
+    region[:start] = host[:start]
+    table = region[start:start + 4 * layout.size * layout.max_blocks].view(np.int32).reshape(layout.size, -1)
+    table[:batch, :width] = host[start:start + 4 * batch * width].view(np.int32).reshape(batch, width)
+    return [region[o:o + 4 * int(np.prod(s))].view(np.int32).reshape(s) for o, s in zip(layout.offsets, layout.shapes)]
+
+
+def test_staging_pads_the_rows_and_moves_only_the_steps_block_columns():
     rng = np.random.default_rng(0)
-    positions, meta = decode_meta(rng, 3)
-    tokens = np.array([5, 6, 7], np.int32)
-    arrays = pad_decode_inputs(tokens, positions, meta, size=8, max_blocks=5)
-    assert [a.shape for a in arrays] == pad_decode_shapes(8, 5)
-    assert all(a.dtype == np.int32 for a in arrays)
-    token_ids, pos, qsl, seq_lens, tables, slots, logits_indices = arrays
-    np.testing.assert_array_equal(token_ids[:3], tokens)
-    np.testing.assert_array_equal(tables[:3, :3], meta.block_tables)
-    np.testing.assert_array_equal(slots[:3], meta.slot_mapping)
-    assert (slots[3:] == -1).all() and (seq_lens[3:] == 1).all() and (tables[3:] == 0).all()
-    np.testing.assert_array_equal(qsl, np.arange(9))
-    np.testing.assert_array_equal(logits_indices, np.arange(8))
+    layout = DecodeLayout.for_bucket(8, 5)
+    assert all(offset % 256 == 0 for offset in layout.offsets)
+    region = np.zeros(layout.total, np.uint8)  # zeroed at allocation, as the runner does
+    host = np.full(layout.staged_bytes(8, 5), 0x7F, np.uint8)  # a slot dirty from earlier steps
+    for batch in (6, 3):  # a smaller step after a larger one: what it leaves stale must not matter
+        positions, meta = decode_meta(rng, batch)
+        tokens = rng.integers(0, 100, batch).astype(np.int32)
+        stage_decode_inputs(host, layout, tokens, positions, meta)
+        token_ids, pos, seq_lens, slots, tables, _, _ = device_image(layout, host, batch, 3, region)
+        np.testing.assert_array_equal(token_ids[:batch], tokens)
+        np.testing.assert_array_equal(pos[:batch], positions)
+        np.testing.assert_array_equal(seq_lens[:batch], meta.seq_lens)
+        np.testing.assert_array_equal(slots[:batch], meta.slot_mapping)
+        np.testing.assert_array_equal(tables[:batch, :3], meta.block_tables)
+        assert (token_ids[batch:] == 0).all() and (pos[batch:] == 0).all()
+        assert (seq_lens[batch:] == 1).all() and (slots[batch:] == -1).all()
+        assert ((tables >= 0) & (tables < 50)).all()  # stale or zero: always a real block id
     with pytest.raises(ValueError, match="does not fit"):
-        pad_decode_inputs(tokens, positions, meta, size=2, max_blocks=5)
+        stage_decode_inputs(host, DecodeLayout.for_bucket(2, 5), tokens, positions, meta)
+    with pytest.raises(ValueError, match="does not fit"):
+        stage_decode_inputs(host, DecodeLayout.for_bucket(8, 2), tokens, positions, meta)
 
 
 # ---- on the device ----

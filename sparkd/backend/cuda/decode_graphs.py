@@ -1,13 +1,21 @@
 """Decode steps replayed from CUDA graphs, one graph per padded batch-size bucket.
 
-A bucket's inputs live in one static device buffer. Each step pads its host inputs
-to the bucket, copies them into that buffer in one H2D copy, and replays the graph.
-The first step of a bucket runs the forward once eagerly (loading kernels, planning
-GEMMs, sizing the rope table) and then captures it. If capturing fails, the bucket
-runs eagerly from then on and that step raises GraphCaptureError.
+A bucket's inputs live in one static device region (`DecodeLayout`). Each step
+writes its inputs into a pinned staging slot laid out the same way and copies
+them over in two H2D copies: the per-sequence arrays, padded to the bucket, in
+one; in the other only the step's B x W part of the block table, a pitched copy
+into the first columns of the region's [bucket, max_blocks] table. So a step
+moves B x W block ids, not bucket x max_model_len / block_size (8 MB at 256
+sequences of 128k tokens). The constants (query_start_loc, logits_indices) are
+written once. The first step of a bucket runs the forward once eagerly (loading
+kernels, planning GEMMs, sizing the rope table) and then captures it. If
+capturing fails, the bucket runs eagerly from then on and that step raises
+GraphCaptureError.
 
 Padding rows are harmless: token 0 at position 0, a negative slot (the KV write
-skips it), a context of 1 read from block 0, logits that nobody samples.
+skips it), a context of 1, logits that nobody samples. Block-table entries a step
+does not write keep the block ids of an earlier step (zeros at first), so they
+always name real blocks; and the kernels read no entry past a row's context.
 """
 
 from __future__ import annotations
@@ -17,17 +25,23 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from cuda.bindings import driver
 
 from ..base import AttentionMetadata
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
-from .driver import DeviceLostError
+from .driver import DeviceLostError, call
 from .graphs import GraphCaptureError, GraphSlot, bucket_for, capture, default_buckets
 from .memory import MemoryPool
 from .tensor import DeviceTensor
-from .transfer import pack_layout
+from .transfer import copy_rows_to_device, copy_to_device, pack_layout
 
 log = logging.getLogger("sparkd.cuda.graphs")
+
+_INT32 = DType.int32.itemsize
+# Padding rows of token_ids, positions, seq_lens, slot_mapping: token 0 at position 0
+# with a context of 1, and no KV write.
+_PADDING = (0, 0, 1, -1)
 
 
 @dataclass
@@ -45,6 +59,71 @@ class DecodeInputs:
 DecodeForward = Callable[[DecodeInputs], DeviceTensor]  # -> logits [B, V] float32
 
 
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Byte offsets of a bucket's inputs, the same in its device region and its staging slot.
+
+    In order (int32): token_ids, positions, seq_lens, slot_mapping [size] each; the
+    per-step arrays, all before `block_tables_offset`, so one copy moves them. Then
+    block_tables [size, max_blocks], where the staging slot holds just the step's
+    [B, W] part, rows W wide. Then the constants query_start_loc [size + 1] and
+    logits_indices [size]."""
+
+    size: int
+    max_blocks: int
+    offsets: tuple[int, ...]
+    total: int
+
+    @classmethod
+    def for_bucket(cls, size: int, max_blocks: int) -> DecodeLayout:
+        offsets, total = pack_layout([_INT32 * int(np.prod(shape)) for shape in _shapes(size, max_blocks)])
+        return cls(size, max_blocks, tuple(offsets), total)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return _shapes(self.size, self.max_blocks)
+
+    @property
+    def block_tables_offset(self) -> int:
+        return self.offsets[4]
+
+    def staged_bytes(self, batch: int, width: int) -> int:
+        """Bytes of staging a step of `batch` sequences x `width` blocks fills."""
+        return self.block_tables_offset + _INT32 * batch * width
+
+
+def _shapes(size: int, max_blocks: int) -> list[tuple[int, ...]]:
+    return [(size,), (size,), (size,), (size,), (size, max_blocks), (size + 1,), (size,)]
+
+
+def stage_decode_inputs(host: np.ndarray, layout: DecodeLayout, token_ids: np.ndarray, positions: np.ndarray,
+                        meta: AttentionMetadata) -> None:
+    """Write a decode step of B sequences into `host` (uint8, at least
+    layout.staged_bytes(B, W)): token_ids, positions, seq_lens and slot_mapping padded
+    to layout.size rows, then meta.block_tables [B, W] compact at block_tables_offset."""
+    batch, width = meta.block_tables.shape
+    if batch > layout.size or width > layout.max_blocks:
+        raise ValueError(f"a decode step of {batch} sequences x {width} blocks does not fit a bucket of "
+                         f"{layout.size} x {layout.max_blocks}")
+    per_sequence = (token_ids, positions, meta.seq_lens, meta.slot_mapping)
+    for values, offset, padding in zip(per_sequence, layout.offsets, _PADDING):
+        column = host[offset : offset + _INT32 * layout.size].view(np.int32)
+        column[:batch] = values
+        column[batch:] = padding
+    start = layout.block_tables_offset
+    host[start : start + _INT32 * batch * width].view(np.int32).reshape(batch, width)[:] = meta.block_tables
+
+
+@dataclass
+class _StaticInputs:
+    """A bucket's device region, seen as the graph's inputs."""
+
+    region: DeviceTensor  # uint8 [layout.total]
+    layout: DecodeLayout
+    inputs: DecodeInputs
+    per_step: DeviceTensor  # uint8 view of the region's first block_tables_offset bytes
+
+
 class DecodeGraphRunner:
     """Runs decode steps through captured graphs.
 
@@ -59,7 +138,7 @@ class DecodeGraphRunner:
         self.buckets = sorted(buckets or default_buckets(max_batch_size))
         self.pool = MemoryPool("decode graphs")  # shared: graphs replay one at a time on one stream
         self._slots = {size: GraphSlot(size) for size in self.buckets}
-        self._inputs: dict[int, tuple[DeviceTensor, DecodeInputs]] = {}
+        self._inputs: dict[int, _StaticInputs] = {}
         self._outputs: dict[int, DeviceTensor] = {}
 
     def run(self, forward: DecodeForward, token_ids: np.ndarray, positions: np.ndarray,
@@ -72,28 +151,52 @@ class DecodeGraphRunner:
         batch = len(token_ids)
         slot = self._slots.get(bucket_for(batch, self.buckets))
         if slot is None or slot.eager_only:
-            arrays = pad_decode_inputs(token_ids, positions, meta, batch, meta.block_tables.shape[1])
-            return forward(self._views(self.ops.staging.upload(arrays), meta.max_seq_len))
-        region, inputs = self._static_inputs(slot.size)
-        self.ops.staging.upload(pad_decode_inputs(token_ids, positions, meta, slot.size, self.max_blocks_per_seq),
-                                dest=region)
+            return forward(self._eager_inputs(token_ids, positions, meta))
+        static = self._static_inputs(slot.size)
+        self._upload_step(static, token_ids, positions, meta)
         if slot.graph is None:
-            self._capture(slot, forward, inputs)
+            self._capture(slot, forward, static.inputs)
         slot.graph.replay(self.ops.stream)
         return self._outputs[slot.size].narrow(0, batch)
 
-    def _static_inputs(self, size: int) -> tuple[DeviceTensor, DecodeInputs]:
+    def _upload_step(self, static: _StaticInputs, token_ids: np.ndarray, positions: np.ndarray,
+                     meta: AttentionMetadata) -> None:
+        layout, stream = static.layout, self.ops.stream
+        batch, width = meta.block_tables.shape
+        start = layout.block_tables_offset
+        with self.ops.staging.slot(layout.staged_bytes(batch, width)) as pinned:
+            stage_decode_inputs(pinned.array, layout, token_ids, positions, meta)
+            copy_to_device(static.per_step, pinned.array[:start], stream)
+            copy_rows_to_device(static.region.ptr + start, _INT32 * layout.max_blocks, pinned.ptr + start,
+                                _INT32 * width, _INT32 * width, batch, stream)
+
+    def _static_inputs(self, size: int) -> _StaticInputs:
         if size not in self._inputs:
-            shapes = pad_decode_shapes(size, self.max_blocks_per_seq)
-            offsets, total = pack_layout([DType.int32.itemsize * int(np.prod(s)) for s in shapes])
-            region = self.ops.allocator.empty((total,), DType.uint8)
-            views = [DeviceTensor(region.ptr + o, s, DType.int32, None, region.owner) for o, s in zip(offsets, shapes)]
-            self._inputs[size] = region, self._views(views, self.max_seq_len)
+            layout = DecodeLayout.for_bucket(size, self.max_blocks_per_seq)
+            region = self.ops.allocator.empty((layout.total,), DType.uint8)
+            # Steps write only their own block-table columns: the rest must hold real block ids.
+            call(driver.cuMemsetD8Async, region.ptr, 0, region.nbytes, self.ops.stream.handle)
+            constants_offset = layout.offsets[5]
+            constants = DeviceTensor(region.ptr + constants_offset, (layout.total - constants_offset,), DType.uint8,
+                                     None, region.owner)
+            self.ops.staging.upload([np.arange(size + 1, dtype=np.int32), np.arange(size, dtype=np.int32)],
+                                    dest=constants)
+            views = [DeviceTensor(region.ptr + offset, shape, DType.int32, None, region.owner)
+                     for offset, shape in zip(layout.offsets, layout.shapes)]
+            per_step = DeviceTensor(region.ptr, (layout.block_tables_offset,), DType.uint8, None, region.owner)
+            self._inputs[size] = _StaticInputs(region, layout, self._views(views, self.max_seq_len), per_step)
         return self._inputs[size]
+
+    def _eager_inputs(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> DecodeInputs:
+        """A step no graph serves, uploaded as it is: B rows, W block-table columns."""
+        arrays = [token_ids, positions, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
+                  np.arange(len(token_ids))]
+        return self._views(self.ops.staging.upload([np.asarray(a, np.int32) for a in arrays]), meta.max_seq_len)
 
     @staticmethod
     def _views(tensors: list[DeviceTensor], max_seq_len: int) -> DecodeInputs:
-        token_ids, positions, query_start_loc, seq_lens, block_tables, slots, logits_indices = tensors
+        """DecodeInputs from int32 tensors in DecodeLayout order."""
+        token_ids, positions, seq_lens, slots, block_tables, query_start_loc, logits_indices = tensors
         attn = CudaAttentionMetadata(query_start_loc, seq_lens, block_tables, slots, 1, max_seq_len)
         return DecodeInputs(token_ids, positions, attn, logits_indices)
 
@@ -121,35 +224,3 @@ class DecodeGraphRunner:
         self._outputs.clear()
         self.ops.stream.synchronize()
         self.ops.allocator.release_cached(self.pool)
-
-
-def pad_decode_shapes(size: int, max_blocks: int) -> list[tuple[int, ...]]:
-    """Shapes of the arrays `pad_decode_inputs` returns."""
-    return [(size,), (size,), (size + 1,), (size,), (size, max_blocks), (size,), (size,)]
-
-
-def pad_decode_inputs(token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata, size: int,
-                      max_blocks: int) -> list[np.ndarray]:
-    """int32 [token_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
-    logits_indices], padded from B to `size` rows and block tables to `max_blocks` columns."""
-    batch = len(token_ids)
-    if batch > size or meta.block_tables.shape[1] > max_blocks:
-        raise ValueError(f"a decode step of {batch} sequences x {meta.block_tables.shape[1]} blocks does not "
-                         f"fit a bucket of {size} x {max_blocks}")
-
-    def padded(values: np.ndarray, fill: int) -> np.ndarray:
-        out = np.full(size, fill, dtype=np.int32)
-        out[:batch] = values
-        return out
-
-    block_tables = np.zeros((size, max_blocks), dtype=np.int32)
-    block_tables[:batch, : meta.block_tables.shape[1]] = meta.block_tables
-    return [
-        padded(token_ids, 0),
-        padded(positions, 0),
-        np.arange(size + 1, dtype=np.int32),
-        padded(meta.seq_lens, 1),
-        block_tables,
-        padded(meta.slot_mapping, -1),
-        np.arange(size, dtype=np.int32),
-    ]

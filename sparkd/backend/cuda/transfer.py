@@ -7,8 +7,9 @@ the GPU while it prepares the next step.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 from cuda.bindings import driver
@@ -44,6 +45,12 @@ def pack_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, max(total, ALIGNMENT)
 
 
+def pack_into(host: np.ndarray, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
+    """Copy C-contiguous `arrays` into the uint8 buffer `host` at `offsets` (from `pack_layout`)."""
+    for array, offset in zip(arrays, offsets):
+        host[offset : offset + array.nbytes] = array.view(np.uint8).reshape(-1)
+
+
 class PinnedBuffer:
     """Page-locked host memory; `.array` is a uint8 numpy view of all of it."""
 
@@ -66,6 +73,25 @@ def copy_to_device(dst: DeviceTensor, host: np.ndarray, stream: Stream) -> None:
         raise ValueError(f"cannot copy {host.nbytes} host bytes into {dst}")
     if dst.nbytes:
         call(driver.cuMemcpyHtoDAsync, dst.ptr, host.ctypes.data, dst.nbytes, stream.handle)
+
+
+def copy_rows_to_device(dst_ptr: int, dst_pitch: int, src_ptr: int, src_pitch: int, row_bytes: int,
+                        num_rows: int, stream: Stream) -> None:
+    """Asynchronous H2D of `num_rows` rows of `row_bytes` each, from pinned host memory, between
+    buffers whose rows lie `src_pitch` and `dst_pitch` bytes apart (e.g. a narrow host table
+    into the first columns of a wide device one)."""
+    if row_bytes > min(src_pitch, dst_pitch):
+        raise ValueError(f"rows of {row_bytes} bytes do not fit pitches {src_pitch} -> {dst_pitch}")
+    if not row_bytes or not num_rows:
+        return
+    params = driver.CUDA_MEMCPY2D()
+    params.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+    params.srcHost, params.srcPitch = src_ptr, src_pitch
+    params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    params.dstDevice, params.dstPitch = dst_ptr, dst_pitch
+    params.WidthInBytes = row_bytes
+    params.Height = num_rows
+    call(driver.cuMemcpy2DAsync, params, stream.handle)
 
 
 def copy_to_host(host: np.ndarray, src: DeviceTensor, stream: Stream) -> None:
@@ -99,9 +125,10 @@ def copy_device(dst: DeviceTensor, src: DeviceTensor, stream: Stream) -> None:
 
 
 class StagingRing:
-    """Per-step inputs: several host arrays packed into one pinned slot, one H2D copy.
+    """Per-step inputs: several host arrays packed into one pinned slot, one H2D copy
+    (`upload`); or a slot the caller fills and copies from itself (`slot`).
 
-    A slot is rewritten only after the event of its previous copy has completed,
+    A slot is rewritten only after the event of its previous copies has completed,
     so the host may run steps ahead of the GPU without corrupting inputs in flight."""
 
     def __init__(self, allocator: DeviceAllocator, stream: Stream, num_slots: int = 4, slot_bytes: int = 1 << 20):
@@ -125,17 +152,23 @@ class StagingRing:
             dest = self.allocator.empty((total,), DType.uint8)
         elif dest.nbytes < total:
             raise ValueError(f"staging destination of {dest.nbytes} bytes is smaller than the {total} bytes packed")
-        slot = self._claim_slot(total)
-        for array, offset in zip(arrays, offsets):
-            slot.array[offset : offset + array.nbytes] = array.view(np.uint8).reshape(-1)
-        call(driver.cuMemcpyHtoDAsync, dest.ptr, slot.ptr, total, self.stream.handle)
-        self._events[self._next].record(self.stream)
-        self._next = (self._next + 1) % len(self._slots)
+        with self.slot(total) as pinned:
+            pack_into(pinned.array, arrays, offsets)
+            call(driver.cuMemcpyHtoDAsync, dest.ptr, pinned.ptr, total, self.stream.handle)
         return [DeviceTensor(dest.ptr + offset, a.shape, dtype, None, dest.owner)
                 for a, dtype, offset in zip(arrays, dtypes, offsets)]
 
-    def _claim_slot(self, nbytes: int) -> PinnedBuffer:
+    @contextlib.contextmanager
+    def slot(self, nbytes: int) -> Iterator[PinnedBuffer]:
+        """The next pinned slot, at least `nbytes` long, for the caller to fill and copy from
+        on this ring's stream (for layouts `upload` does not pack, e.g. pitched copies).
+        Its earlier copies have completed; after the block it is not rewritten until the
+        copies issued inside the block have completed too."""
         self._events[self._next].synchronize()
         if self._slots[self._next].nbytes < nbytes:
             self._slots[self._next] = PinnedBuffer(max(nbytes, 2 * self._slots[self._next].nbytes))
-        return self._slots[self._next]
+        try:
+            yield self._slots[self._next]
+        finally:
+            self._events[self._next].record(self.stream)
+            self._next = (self._next + 1) % len(self._slots)

@@ -28,6 +28,9 @@ MIN_SPLIT_KEYS = 128  # kMinSplitKeys in attention_decode.cu
 MAX_SPLITS = 128  # a multiple of DECODE_CLUSTER
 DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
 DECODE_CLUSTER = 8  # kDecodeCluster: splits a bf16 / fp16 thread-block cluster merges on chip
+MAX_CLUSTER_PARTS = 4  # see plan_decode
+FILLED_SPLIT_KEYS = 512
+FILLED_PLAIN_SPLIT_KEYS = 1024
 
 _THREADS = 128
 _LOG2E = 1.4426950408889634
@@ -159,15 +162,15 @@ def prefill_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor,
 
 
 def choose_num_splits(num_blocks: int, max_seq_len: int, num_sms: int, blocks_per_sm: int = 2,
-                      step: int = 1) -> int:
+                      step: int = 1, min_split_keys: int = MIN_SPLIT_KEYS) -> int:
     """How many splits of its keys each decode block gets (flash-attention 2's wave heuristic).
 
     num_blocks: blocks without splitting (sequences x kv heads x head chunks), of which
     blocks_per_sm fit on an SM at once. Candidates are 1 and the multiples of `step`,
-    none shorter than MIN_SPLIT_KEYS; the fewest splits whose waves are at least 85%
+    none shorter than min_split_keys; the fewest splits whose waves are at least 85%
     as full as the best candidate's win, so a batch that fills its waves stays whole."""
     slots = num_sms * blocks_per_sm
-    limit = max(1, min(MAX_SPLITS, slots, math.ceil(max_seq_len / MIN_SPLIT_KEYS)))
+    limit = max(1, min(MAX_SPLITS, slots, math.ceil(max_seq_len / min_split_keys)))
     candidates = [1, *range(step, limit + 1, step)] if step > 1 else list(range(1, limit + 1))
     efficiency = [n * num_blocks / slots / math.ceil(n * num_blocks / slots) for n in candidates]
     best = max(efficiency)
@@ -216,17 +219,32 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
                 workspace_numel: int) -> DecodePlan:
     """The splits that fill the GPU best, as far as `workspace_numel` floats hold the parts.
 
-    bf16 / fp16 split in clusters of DECODE_CLUSTER, so a sequence that fits one
-    cluster needs neither workspace nor the combine kernel; fp32 splits one by one."""
-    clustered = sizes.dtype is not DType.float32
-    step = DECODE_CLUSTER if clustered else 1
-    wanted = choose_num_splits(_decode_blocks(sizes), max_seq_len, num_sms,
-                               _blocks_per_sm(_decode_smem_bytes(sizes), max_shared_per_block), step)
-    if wanted == 1:
-        return DecodePlan(1, 1)
-    cluster = DECODE_CLUSTER if clustered else 1
-    num_parts = min(wanted // cluster, workspace_numel // _part_numel(sizes))
-    return DecodePlan(cluster * max(1, num_parts), cluster)
+    Rules measured on the H200 (docs/benchmarks.md, bf16, D 128):
+    - bf16 / fp16 splits merged on chip by a cluster of DECODE_CLUSTER pay off while a
+      sequence needs at most MAX_CLUSTER_PARTS clusters (1k-4k keys at batch 1, 7.3 us
+      against 12.2 us at 1k); past that, plain splits and the combine kernel are faster.
+    - Once the unsplit blocks give every SM one, a split must carry at least
+      FILLED_SPLIT_KEYS keys (clusters) or FILLED_PLAIN_SPLIT_KEYS (plain): at batch 64,
+      1k keys, eight 128-key splits took 136 us against 99 us unsplit.
+    fp32 always splits one by one."""
+    blocks = _decode_blocks(sizes)
+    per_sm = _blocks_per_sm(_decode_smem_bytes(sizes), max_shared_per_block)
+    filled = blocks >= num_sms
+    max_parts = max(1, workspace_numel // _part_numel(sizes))
+    clustered = None
+    if sizes.dtype is not DType.float32:
+        wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, DECODE_CLUSTER,
+                                   FILLED_SPLIT_KEYS if filled else MIN_SPLIT_KEYS)
+        parts = wanted // DECODE_CLUSTER
+        if parts >= 1:
+            clustered = DecodePlan(DECODE_CLUSTER * min(parts, max_parts), DECODE_CLUSTER)
+            if parts <= MAX_CLUSTER_PARTS:
+                return clustered
+    wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, 1,
+                               FILLED_PLAIN_SPLIT_KEYS if filled else MIN_SPLIT_KEYS)
+    if clustered is not None and max_parts < wanted:
+        return clustered  # short of workspace, a cluster still splits 8 ways without any
+    return DecodePlan(min(wanted, max_parts), 1)
 
 
 def _plan_for(sizes: AttentionSizes, meta: CudaAttentionMetadata, workspace_numel: int) -> DecodePlan:

@@ -62,23 +62,20 @@ class SamplingInputs:
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _ID_FIELDS = ("prompt_token_ids", "output_token_ids", "banned_token_ids")
+# SamplingInputs' arrays in field order with their device dtypes, worked out once: this runs every step.
+_ARRAY_FIELDS = [f.name for f in fields(SamplingInputs) if f.name != "needs_workspace"]
+_ARRAY_DTYPES = [DType.float32 if name in _FLOAT_FIELDS else DType.int64 if name in ("seeds", "steps")
+                 else DType.int32 for name in _ARRAY_FIELDS]
 
 
 def host_inputs(params: SamplingTensors) -> list[np.ndarray]:
     """The arrays of `SamplingInputs`, in field order, in their device representation."""
     arrays = []
-    for field in fields(SamplingInputs):
-        if field.name == "needs_workspace":
-            continue
-        value = getattr(params, field.name)
-        if field.name in _FLOAT_FIELDS:
-            arrays.append(np.asarray(value, np.float32))
-        elif field.name == "seeds":
-            arrays.append(np.asarray(value).astype(np.uint64).view(np.int64))
-        elif field.name == "steps":
-            arrays.append(np.asarray(value, np.int64))
-        else:
-            arrays.append(np.asarray(value, np.int32))
+    for name, dtype in zip(_ARRAY_FIELDS, _ARRAY_DTYPES):
+        value = getattr(params, name)
+        if name == "seeds":
+            value = np.asarray(value, np.uint64).view(np.int64)  # the kernel reads the uint64 bits as int64
+        arrays.append(np.asarray(value, dtype.host))
     return arrays
 
 
@@ -86,7 +83,8 @@ def upload_inputs(params: SamplingTensors, staging: StagingRing, dest: DeviceTen
     """One H2D copy of the step's sampling parameters (into `dest` if given, see StagingRing.upload)."""
     needs_workspace = bool(np.any(params.repetition_penalty != 1) or np.any(params.presence_penalty != 0)
                            or np.any(params.frequency_penalty != 0) or np.any(params.banned_token_ids >= 0))
-    return SamplingInputs(*staging.upload(host_inputs(params), dest=dest), needs_workspace=needs_workspace)
+    arrays = staging.upload(host_inputs(params), dest=dest, dtypes=_ARRAY_DTYPES)
+    return SamplingInputs(*arrays, needs_workspace=needs_workspace)
 
 
 @dataclass
