@@ -66,7 +66,9 @@ PY
 export -f install_wheels versions
 run_step install_wheels 30 bash -c install_wheels
 export PYTHONPATH=/tmp/site:$PWD
-export SPARKD_CACHE_DIR=${SPARKD_CACHE_DIR:-$OUT/cache}
+# The kernel cache stays out of OUTDIR (hundreds of files); the measured GEMM table is
+# copied into OUTDIR at the end so it can be checked in.
+export SPARKD_CACHE_DIR=${SPARKD_CACHE_DIR:-/tmp/sparkd-cache}
 
 run_step versions 15 bash -c versions
 run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
@@ -79,6 +81,8 @@ run_step bench_gemm 60 python3 tools/bench_gemm.py --write-table
 run_step bench_attention 35 python3 tools/bench_attention.py
 run_step bench_kernels 35 python3 tools/bench_kernels.py
 run_step bench_decode 125 python3 tools/bench_decode.py
+
+cp "$SPARKD_CACHE_DIR"/gemm/*.json "$OUT"/ 2>/dev/null
 
 if [ ${#failed[@]} -ne 0 ]; then
     echo "FAILED steps: ${failed[*]}"
