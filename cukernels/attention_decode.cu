@@ -37,7 +37,8 @@ template <typename T, int D, int CLUSTER>
 __device__ __forceinline__ void decode_attention(T* out, float* o_part, float* lse_part, const T* q, const T* k_cache,
                                                  const T* v_cache, const int* query_start_loc, const int* seq_lens,
                                                  const int* block_tables, int max_blocks_per_seq, int num_q_heads,
-                                                 int num_kv_heads, int block_size, float scale_log2, int num_splits) {
+                                                 int num_kv_heads, int block_size, float scale_log2, int num_splits,
+                                                 int min_split_keys) {
   constexpr int LD = smem_ld<T, D>(), DT = D / 8, KEYS = kDecodeKeys, WARP_KEYS = KEYS / kWarps;
 
   const int seq = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x % num_splits;
@@ -45,9 +46,9 @@ __device__ __forceinline__ void decode_attention(T* out, float* o_part, float* l
   const int seq_len = seq_lens[seq];
   // A part past the sequence's end leaves whole (every block of a cluster must
   // reach its barriers); inside a part, blocks with an empty split still merge.
-  if (decode_split(seq_len, split - split % CLUSTER, num_splits, CLUSTER).key_begin >= seq_len) return;
+  if (decode_split(seq_len, split - split % CLUSTER, num_splits, CLUSTER, min_split_keys).key_begin >= seq_len) return;
   const PackedRows rows = packed_rows(query_start_loc, seq_lens, seq, kv_head, num_q_heads, num_kv_heads);
-  const DecodeSplit range = decode_split(seq_len, split, num_splits, CLUSTER);
+  const DecodeSplit range = decode_split(seq_len, split, num_splits, CLUSTER, min_split_keys);
 
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -97,9 +98,10 @@ __global__ void __launch_bounds__(kThreads)
                             const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                             const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                             const int* __restrict__ block_tables, int max_blocks_per_seq, int num_q_heads,
-                            int num_kv_heads, int block_size, float scale_log2, int num_splits) {
+                            int num_kv_heads, int block_size, float scale_log2, int num_splits, int min_split_keys) {
   decode_attention<T, D, 1>(out, o_part, lse_part, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                            max_blocks_per_seq, num_q_heads, num_kv_heads, block_size, scale_log2, num_splits);
+                            max_blocks_per_seq, num_q_heads, num_kv_heads, block_size, scale_log2, num_splits,
+                            min_split_keys);
 }
 
 // Launch: as decode_attention_kernel with num_splits a multiple of
@@ -111,10 +113,10 @@ __global__ void __cluster_dims__(kDecodeCluster, 1, 1) __launch_bounds__(kThread
                                     const T* __restrict__ v_cache, const int* __restrict__ query_start_loc,
                                     const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                                     int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
-                                    float scale_log2, int num_splits) {
+                                    float scale_log2, int num_splits, int min_split_keys) {
   decode_attention<T, D, kDecodeCluster>(out, o_part, lse_part, q, k_cache, v_cache, query_start_loc, seq_lens,
                                          block_tables, max_blocks_per_seq, num_q_heads, num_kv_heads, block_size,
-                                         scale_log2, num_splits);
+                                         scale_log2, num_splits, min_split_keys);
 }
 
 // ---- fp32 on CUDA cores, exact to rounding (no TF32) ----
@@ -129,14 +131,14 @@ __global__ void __launch_bounds__(kThreads)
                                  const float* __restrict__ v_cache, const int* __restrict__ query_start_loc,
                                  const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                                  int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
-                                 float scale_log2, int num_splits) {
+                                 float scale_log2, int num_splits, int min_split_keys) {
   static_assert(kFp32Rows == kDecodeRows, "both decode kernels cut a group into chunks of 16 heads");
   constexpr int R = kFp32RowsPerWarp, LD = smem_ld<float, D>();
 
   const int seq = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x % num_splits;
   const int first_row = blockIdx.x / num_splits * kFp32Rows;
   const PackedRows rows = packed_rows(query_start_loc, seq_lens, seq, kv_head, num_q_heads, num_kv_heads);
-  const DecodeSplit range = decode_split(seq_lens[seq], split, num_splits, 1);
+  const DecodeSplit range = decode_split(seq_lens[seq], split, num_splits, 1, min_split_keys);
   if (range.key_begin >= range.key_end) return;
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -177,10 +179,10 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D)
     decode_combine_kernel(T* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse_part,
                           const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, int num_q_heads,
-                          int num_splits, int per_part) {
+                          int num_splits, int per_part, int min_split_keys) {
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   const int seq_len = seq_lens[seq];
-  const int used = ceil_div(seq_len, split_length(seq_len, num_splits) * per_part);
+  const int used = ceil_div(seq_len, split_length(seq_len, num_splits, min_split_keys) * per_part);
   if (used <= 1) return;  // written directly by the attention kernel
   const long long slot = (static_cast<long long>(seq) * num_q_heads + head) * (num_splits / per_part);
   float lse_max = -infinity();

@@ -11,16 +11,17 @@ namespace attn {
 // ---- split-K ----
 
 // A sequence's keys are cut into splits of a multiple of kSplitAlign keys, at
-// least kMinSplitKeys long (MIN_SPLIT_KEYS in attention.py). The attention
-// kernels and the combine kernel all derive the split length from seq_len.
+// least min_keys long (a multiple of kSplitAlign chosen by the launcher's plan:
+// a graph sized for long contexts must not cut a short one into tiny splits).
+// The attention kernels and the combine kernel all derive the split length from
+// seq_len.
 constexpr int kSplitAlign = 64;
-constexpr int kMinSplitKeys = 128;
 
 // Keys per split when seq_len keys are shared by at most num_splits splits.
 // Short sequences get fewer, longer splits: the rest of the grid exits at once.
-__device__ __forceinline__ int split_length(int seq_len, int num_splits) {
+__device__ __forceinline__ int split_length(int seq_len, int num_splits, int min_keys) {
   const int even = ceil_div(ceil_div(seq_len, num_splits), kSplitAlign) * kSplitAlign;
-  return max(even, kMinSplitKeys);
+  return max(even, min_keys);
 }
 
 // The keys [key_begin, key_end) that split `split` of a sequence covers, with
@@ -31,8 +32,9 @@ struct DecodeSplit {
   bool direct;
 };
 
-__device__ __forceinline__ DecodeSplit decode_split(int seq_len, int split, int num_splits, int per_part) {
-  const int len = split_length(seq_len, num_splits);
+__device__ __forceinline__ DecodeSplit decode_split(int seq_len, int split, int num_splits, int per_part,
+                                                    int min_keys) {
+  const int len = split_length(seq_len, num_splits, min_keys);
   return {split * len, min(seq_len, (split + 1) * len), seq_len <= len * per_part};
 }
 

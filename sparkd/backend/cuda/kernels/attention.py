@@ -24,7 +24,7 @@ from ..tensor import DeviceTensor
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (DType.bfloat16, DType.float16, DType.float32)
-MIN_SPLIT_KEYS = 128  # kMinSplitKeys in attention_decode.cu
+MIN_SPLIT_KEYS = 128  # a multiple of kSplitAlign (attention_split.cuh)
 MAX_SPLITS = 128  # a multiple of DECODE_CLUSTER
 DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
 DECODE_CLUSTER = 8  # kDecodeCluster: splits a bf16 / fp16 thread-block cluster merges on chip
@@ -183,10 +183,13 @@ class DecodePlan:
 
     num_splits blocks share a sequence's keys (grid.x = head chunks x num_splits);
     `cluster` consecutive splits form a part, merged on chip by a thread-block cluster
-    (1: no cluster); the combine kernel merges the num_parts parts through the workspace."""
+    (1: no cluster); the combine kernel merges the num_parts parts through the workspace.
+    A split holds at least min_split_keys keys, so a sequence shorter than the plan's
+    max_seq_len uses fewer splits (the rest of the grid exits at once)."""
 
     num_splits: int
     cluster: int
+    min_split_keys: int = MIN_SPLIT_KEYS
 
     @property
     def num_parts(self) -> int:
@@ -233,18 +236,18 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
     max_parts = max(1, workspace_numel // _part_numel(sizes))
     clustered = None
     if sizes.dtype is not DType.float32:
-        wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, DECODE_CLUSTER,
-                                   FILLED_SPLIT_KEYS if filled else MIN_SPLIT_KEYS)
+        min_keys = FILLED_SPLIT_KEYS if filled else MIN_SPLIT_KEYS
+        wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, DECODE_CLUSTER, min_keys)
         parts = wanted // DECODE_CLUSTER
         if parts >= 1:
-            clustered = DecodePlan(DECODE_CLUSTER * min(parts, max_parts), DECODE_CLUSTER)
+            clustered = DecodePlan(DECODE_CLUSTER * min(parts, max_parts), DECODE_CLUSTER, min_keys)
             if parts <= MAX_CLUSTER_PARTS:
                 return clustered
-    wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, 1,
-                               FILLED_PLAIN_SPLIT_KEYS if filled else MIN_SPLIT_KEYS)
+    min_keys = FILLED_PLAIN_SPLIT_KEYS if filled else MIN_SPLIT_KEYS
+    wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, 1, min_keys)
     if clustered is not None and max_parts < wanted:
         return clustered  # short of workspace, a cluster still splits 8 ways without any
-    return DecodePlan(min(wanted, max_parts), 1)
+    return DecodePlan(min(wanted, max_parts), 1, min_keys)
 
 
 def _plan_for(sizes: AttentionSizes, meta: CudaAttentionMetadata, workspace_numel: int) -> DecodePlan:
@@ -297,11 +300,12 @@ def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, 
     head_chunks = math.ceil(sizes.group / DECODE_HEADS_PER_BLOCK)
     get_kernel(_decode_spec(sizes.dtype, sizes.head_dim, plan.cluster)).launch(
         (head_chunks * plan.num_splits, sizes.num_kv_heads, sizes.num_seqs), _THREADS,
-        [out, o_part, lse_part, *_common_args(q, k_cache, v_cache, meta, sizes, scale), np.int32(plan.num_splits)],
+        [out, o_part, lse_part, *_common_args(q, k_cache, v_cache, meta, sizes, scale), np.int32(plan.num_splits),
+         np.int32(plan.min_split_keys)],
         shared_mem=_decode_smem_bytes(sizes), stream=stream)
     if plan.num_parts > 1:
         get_kernel(_combine_spec(sizes.dtype, sizes.head_dim)).launch(
             (sizes.num_q_heads, sizes.num_seqs), sizes.head_dim,
             [out, o_part, lse_part, meta.query_start_loc, meta.seq_lens, np.int32(sizes.num_q_heads),
-             np.int32(plan.num_splits), np.int32(plan.cluster)],
+             np.int32(plan.num_splits), np.int32(plan.cluster), np.int32(plan.min_split_keys)],
             stream=stream)
