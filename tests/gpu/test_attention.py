@@ -201,13 +201,13 @@ def test_decode_of_short_contexts_runs_unsplit(gpu, rel_error, tolerance, dtype)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_of_many_sequences_of_mixed_length(gpu, rel_error, tolerance, dtype):
-    """A batch that fills the GPU unsplit: on the H200, bf16 splits in single clusters (no
-    combine) of at least 512 keys, so the shorter sequences use fewer of the 8 splits."""
+    """A batch just short of filling the GPU: on the H200, bf16 splits in single clusters
+    (no combine), and the shorter sequences use fewer of the 8 splits."""
     rng = np.random.default_rng(9)
-    seq_lens = [1, 4400, *rng.integers(1, 4400, 38)]
+    seq_lens = [1, 1100, *rng.integers(1, 1100, 30)]
     batch = make_batch(rng, [1] * len(seq_lens), seq_lens, 16, 4, 64, 16)
     if dtype == "bfloat16":
-        assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 4400) == attention.DecodePlan(8, 8, 512)
+        assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 1100) == attention.DecodePlan(8, 8)
     out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
 
@@ -260,11 +260,9 @@ def test_llama_decode_plans_on_the_h200():
     # Batch 1 at 32k: past MAX_CLUSTER_PARTS clusters, plain splits and the combine kernel.
     long = h200_plan(1, 32, 8, 128, "bfloat16", 32768)
     assert long.cluster == 1 and long.num_splits > attention.MAX_CLUSTER_PARTS * attention.DECODE_CLUSTER
-    # Batch 64 fills the GPU unsplit: at 1k no split is long enough; from 4k, one cluster of 512+ keys.
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(1, 1, 1024)
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 4096) == attention.DecodePlan(8, 8, 512)
-    # A graph planned for 8k keeps 512-key splits, so a 1k sequence in it uses 2 of its 8.
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 8192).min_split_keys == 512
+    # Batch 64 fills the GPU unsplit, at any context.
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(1, 1)
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 32768) == attention.DecodePlan(1, 1)
     # fp32 splits one by one, as many as the workspace holds.
     fp32 = h200_plan(1, 32, 8, 128, "float32", 32768)
     assert fp32.cluster == 1 and fp32.num_parts == fp32.num_splits > 1

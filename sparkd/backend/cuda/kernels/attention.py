@@ -29,8 +29,6 @@ MAX_SPLITS = 128  # a multiple of DECODE_CLUSTER
 DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
 DECODE_CLUSTER = 8  # kDecodeCluster: splits a bf16 / fp16 thread-block cluster merges on chip
 MAX_CLUSTER_PARTS = 4  # see plan_decode
-FILLED_SPLIT_KEYS = 512
-FILLED_PLAIN_SPLIT_KEYS = 1024
 
 _THREADS = 128
 _LOG2E = 1.4426950408889634
@@ -223,31 +221,32 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
     """The splits that fill the GPU best, as far as `workspace_numel` floats hold the parts.
 
     Rules measured on the H200 (docs/benchmarks.md, bf16, D 128):
+    - A batch whose unsplit blocks already give every SM one is not split. Splitting it
+      pays only at long contexts (batch 64: 0.81-0.97 of the copy rate at 4k-32k keys
+      against 0.67-0.69 unsplit), but a decode graph's plan is fixed at max_model_len,
+      and there the splits of short sequences sit empty: batch 64 at 1k keys in a graph
+      planned for 8k ran at 0.43 of the roofline against 0.69 unsplit.
     - bf16 / fp16 splits merged on chip by a cluster of DECODE_CLUSTER pay off while a
-      sequence needs at most MAX_CLUSTER_PARTS clusters (1k-4k keys at batch 1, 7.3 us
+      sequence needs at most MAX_CLUSTER_PARTS clusters (1k-4k keys at batch 1: 7.3 us
       against 12.2 us at 1k); past that, plain splits and the combine kernel are faster.
-    - Once the unsplit blocks give every SM one, a split must carry at least
-      FILLED_SPLIT_KEYS keys (clusters) or FILLED_PLAIN_SPLIT_KEYS (plain): at batch 64,
-      1k keys, eight 128-key splits took 136 us against 99 us unsplit.
     fp32 always splits one by one."""
     blocks = _decode_blocks(sizes)
+    if blocks >= num_sms:
+        return DecodePlan(1, 1)
     per_sm = _blocks_per_sm(_decode_smem_bytes(sizes), max_shared_per_block)
-    filled = blocks >= num_sms
     max_parts = max(1, workspace_numel // _part_numel(sizes))
     clustered = None
     if sizes.dtype is not DType.float32:
-        min_keys = FILLED_SPLIT_KEYS if filled else MIN_SPLIT_KEYS
-        wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, DECODE_CLUSTER, min_keys)
+        wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, DECODE_CLUSTER)
         parts = wanted // DECODE_CLUSTER
         if parts >= 1:
-            clustered = DecodePlan(DECODE_CLUSTER * min(parts, max_parts), DECODE_CLUSTER, min_keys)
+            clustered = DecodePlan(DECODE_CLUSTER * min(parts, max_parts), DECODE_CLUSTER)
             if parts <= MAX_CLUSTER_PARTS:
                 return clustered
-    min_keys = FILLED_PLAIN_SPLIT_KEYS if filled else MIN_SPLIT_KEYS
-    wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, 1, min_keys)
+    wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, 1)
     if clustered is not None and max_parts < wanted:
         return clustered  # short of workspace, a cluster still splits 8 ways without any
-    return DecodePlan(min(wanted, max_parts), 1, min_keys)
+    return DecodePlan(min(wanted, max_parts), 1)
 
 
 def _plan_for(sizes: AttentionSizes, meta: CudaAttentionMetadata, workspace_numel: int) -> DecodePlan:
