@@ -193,3 +193,16 @@ def make_tiny_tokenizer(
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template, **special_tokens)
     tokenizer.save_pretrained(directory)
     return tokenizer
+
+
+def make_prompts(rng: np.random.Generator, vocab: int) -> list[list[int]]:
+    """Prompts of the end-to-end generation tests (CPU and GPU): one token, one block,
+    two sharing a 37-token prefix (a prefix-cache hit), one longer than a 64-token budget."""
+    shared = rng.integers(3, vocab, 37).tolist()
+    return [
+        rng.integers(3, vocab, 1).tolist(),
+        rng.integers(3, vocab, 16).tolist(),  # exactly one block
+        shared + rng.integers(3, vocab, 5).tolist(),
+        shared + rng.integers(3, vocab, 9).tolist(),
+        rng.integers(3, vocab, 150).tolist(),  # longer than the token budget: chunked
+    ]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparkd import LLM, SamplingParams
-from tests.oracle import ARCHITECTURES, make_tiny_checkpoint
+from tests.oracle import ARCHITECTURES, make_prompts, make_tiny_checkpoint
 
 NUM_NEW = 32
 VARIANTS = {
@@ -32,17 +32,6 @@ def hf_greedy(model, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
         for _ in range(num_new):
             ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
     return ids[len(prompt):]
-
-
-def make_prompts(rng: np.random.Generator, vocab: int) -> list[list[int]]:
-    shared = rng.integers(3, vocab, 37).tolist()
-    return [
-        rng.integers(3, vocab, 1).tolist(),
-        rng.integers(3, vocab, 16).tolist(),  # exactly one block
-        shared + rng.integers(3, vocab, 5).tolist(),
-        shared + rng.integers(3, vocab, 9).tolist(),
-        rng.integers(3, vocab, 150).tolist(),  # longer than the token budget: chunked
-    ]
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

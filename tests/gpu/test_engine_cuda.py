@@ -32,17 +32,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 BF16_MIN_TOP1_AGREEMENT = 0.99
 
 
-def make_prompts(rng: np.random.Generator, vocab: int) -> list[list[int]]:
-    shared = rng.integers(3, vocab, 37).tolist()
-    return [
-        rng.integers(3, vocab, 1).tolist(),
-        rng.integers(3, vocab, 16).tolist(),  # exactly one block
-        shared + rng.integers(3, vocab, 5).tolist(),
-        shared + rng.integers(3, vocab, 9).tolist(),
-        rng.integers(3, vocab, 150).tolist(),  # longer than the token budget: chunked
-    ]
-
-
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -53,7 +42,7 @@ def checkpoint(request, tmp_path_factory, gpu):
     oracle = pytest.importorskip("oracle")
     arch = request.param
     path, model = oracle.make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, **VARIANTS[arch])
-    prompts = make_prompts(np.random.default_rng(7), model.config.vocab_size)
+    prompts = oracle.make_prompts(np.random.default_rng(7), model.config.vocab_size)
     cpu = LLM(str(path), device="cpu", **ENGINE_ARGS)
     return path, prompts, token_ids(cpu.generate(prompts, GREEDY))
 
