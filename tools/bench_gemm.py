@@ -1,6 +1,5 @@
-"""cuBLASLt and the gemv kernel (without and with split-K across blocks) at decode shapes,
-as fractions of the copy bandwidth measured in the same run, and the measured table from
-which the engine picks one of them per shape.
+"""cuBLASLt and the gemv kernel at decode shapes, as fractions of the copy bandwidth measured in
+the same run, and the measured table from which the engine picks one of them per shape.
 
   python tools/bench_gemm.py [--dtype bfloat16] [--m 1 2 4 8 16 64] [--iters 50] [--model DIR]
                              [--write-table [PATH]]
@@ -17,7 +16,7 @@ The "picks" column is what the engine's `Gemm` runs for that shape and M. With
 --write-table it comes from the table this run measures, written to PATH (by
 default this device's file in the sparkd cache, where the engine reads it; see
 sparkd/backend/cuda/gemm_table.py): for every shape and M tile (1, 2, 4, 8, 16)
-measured, the three fractions. Entries of shapes this run did not measure are kept.
+measured, the two fractions. Entries of shapes this run did not measure are kept.
 Without it, the column shows the table the engine would load now.
 """
 
@@ -39,9 +38,7 @@ from bench_common import best_seconds, copy_bandwidth, timed_graph  # noqa: E402
 from sparkd.backend.cuda.driver import Stream, call, init_device  # noqa: E402
 from sparkd.backend.cuda.gemm import Gemm  # noqa: E402
 from sparkd.backend.cuda.gemm_table import (  # noqa: E402
-    CUBLASLT,
     GEMV,
-    GEMV_SPLIT,
     GemmTable,
     Measurement,
     ShapeKey,
@@ -171,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {args.dtype} GEMM 8192^3: {gemm_rate(gemm, allocator, stream, dtype) / 1e12:.0f} TFLOP/s")
     print(f"# cells: fraction of the {copy_rate / 1e12:.2f} TB/s copy rate (read + written) [TFLOP/s]; "
           f"picks: what Gemm runs ({f'the table written to {table_path}' if table_path else 'the table in use'})")
-    print("| shape | M | cuBLASLt | gemv | gemv split-K | picks |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| shape | M | cuBLASLt | gemv | picks |")
+    print("| --- | --- | --- | --- | --- |")
     llama_seconds = {}  # Llama shape -> (cuBLASLt, as picked) seconds per call at M = 1
     for name, (n, k) in bench_shapes(args.model).items():
         out_dtype = DType.float32 if name.endswith(LOGITS) else dtype
@@ -180,20 +177,19 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.m:
             x, out = bench.operands(m)
             weight = bench.weights[0]
-            cells = {CUBLASLT: bench.measure(gemm.cublaslt, x, out)}
+            cublaslt = bench.measure(gemm.cublaslt, x, out)
+            fast = None
             if gemv.unsupported_reason(x, weight) is None:
-                for variant, split_k in ((GEMV, None), (GEMV_SPLIT, gemm.split_k)):
-                    cells[variant] = bench.measure(
-                        lambda out, x, w, split_k=split_k: gemv.gemv(out, x, w, None, stream, split_k), x, out)
+                fast = bench.measure(lambda out, x, w: gemv.gemv(out, x, w, None, stream), x, out)
                 if table_path and m in gemv.M_TILES:
-                    fractions = (cells[variant].fraction(copy_rate) for variant in (CUBLASLT, GEMV, GEMV_SPLIT))
                     gemm.table.entries[ShapeKey(n, k, dtype.name, m)] = Measurement(
-                        *(float(f"{fraction:.4g}") for fraction in fractions))
-            picked = gemm.implementation(x, weight)
-            shown = " | ".join(cells[v].show(copy_rate) if v in cells else "-" for v in (CUBLASLT, GEMV, GEMV_SPLIT))
-            print(f"| {name} {n}x{k} | {m} | {shown} | {picked} |", flush=True)
+                        *(float(f"{cell.fraction(copy_rate):.4g}") for cell in (cublaslt, fast)))
+            picked = fast if gemm.picks_gemv(x, weight) else cublaslt
+            print(f"| {name} {n}x{k} | {m} | {cublaslt.show(copy_rate)} | "
+                  f"{fast.show(copy_rate) if fast else '-'} | {'gemv' if picked is fast else 'cuBLASLt'} |",
+                  flush=True)
             if m == 1 and name in SHAPES:
-                llama_seconds[name] = (cells[CUBLASLT].seconds, cells[picked].seconds)
+                llama_seconds[name] = (cublaslt.seconds, picked.seconds)
         stream.synchronize()
         allocator.release_cached()  # the next shape's weight copies need the room
     if len(llama_seconds) == len(SHAPES):
@@ -218,9 +214,8 @@ def write_table(table: GemmTable, path: Path, copy_rate: float, argv: list[str] 
     table.measured_at = datetime.now(UTC).isoformat(timespec="seconds")
     table.copy_rate = copy_rate
     table.save(path)
-    wins = {variant: sum(entry.winner == variant for entry in table.entries.values()) for variant in (GEMV, GEMV_SPLIT)}
-    print(f"# wrote {path}: gemv wins {wins[GEMV]}, gemv split-K {wins[GEMV_SPLIT]} of {len(table.entries)} "
-          "(shape, dtype, M tile) entries")
+    wins = sum(entry.winner == GEMV for entry in table.entries.values())
+    print(f"# wrote {path}: gemv wins {wins} of {len(table.entries)} (shape, dtype, M tile) entries")
 
 
 if __name__ == "__main__":

@@ -184,11 +184,6 @@ class Ops(Protocol):
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
 
-    def mlp_down(self, gate_up: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """The gated MLP's down projection: linear(silu_and_mul(gate_up), weight, bias).
-        gate_up [T, 2I] = [gate | up], weight [N, I], bias [N] -> [T, N]. A backend may
-        fuse the two; the activation is still rounded to the dtype as silu_and_mul stores it."""
-
     def add(self, x: Tensor, y: Tensor) -> Tensor: ...
 
     def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor:

@@ -65,7 +65,7 @@ class DenseMLP:
     def forward(self, x: Tensor) -> Tensor:
         """x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]."""
         gate_up = self.ops.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2I]
-        return self.ops.mlp_down(gate_up, self.down_proj, self.down_bias)  # down(silu(gate) * up)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj, self.down_bias)
 
 
 class DenseDecoderLayer:

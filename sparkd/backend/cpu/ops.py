@@ -95,9 +95,6 @@ class NumpyOps:
         with np.errstate(over="ignore"):  # exp(-gate) = inf for gate << 0 gives the right limit, 0
             return gate / (1.0 + np.exp(-gate)) * up
 
-    def mlp_down(self, gate_up: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        return self.linear(self.silu_and_mul(gate_up), weight, bias)
-
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return x + y
 

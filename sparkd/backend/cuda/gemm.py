@@ -1,8 +1,6 @@
 """GEMM: y = x @ W^T (+ bias), through cuBLASLt (nvmath-python's low-level bindings)
 or, at decode-sized M where the measured table says it wins, the skinny-GEMM
-kernel, with or without split-K across blocks (kernels/gemv.py; the table and how
-it is measured: gemm_table.py). The gated MLP's down projection may also take
-silu(gate) * up fused into the gemv kernel (`silu_mul_linear`).
+kernel (kernels/gemv.py; the table and how it is measured: gemm_table.py).
 
 Weights stay in the Hugging Face layout W [N, K] row-major. cuBLASLt is
 column-major, where row-major y [M, N] is y^T [N, M]; so it computes
@@ -27,7 +25,7 @@ from nvmath.bindings import cublasLt as lt
 
 from ..dtypes import DType
 from .driver import Stream, current_device, ensure_context
-from .gemm_table import CUBLASLT, GEMV_SPLIT, GemmTable, load_table
+from .gemm_table import GEMV, GemmTable, load_table
 from .kernels import gemv
 from .memory import DeviceAllocator
 from .tensor import DeviceTensor
@@ -126,16 +124,15 @@ class _Plan:
 
 class Gemm:
     """Matmuls on one stream: cuBLASLt with one workspace and cached plans, or the gemv
-    kernel (split-K or not) where `table` (default: this device's measured one) says it is faster.
+    kernel where `table` (default: this device's measured one) says it is faster.
 
-    Capturable in CUDA graphs: the workspaces and the host-side alpha/beta never move."""
+    Capturable in CUDA graphs: the workspace and the host-side alpha/beta never move."""
 
     def __init__(self, allocator: DeviceAllocator, stream: Stream, table: GemmTable | None = None):
         ensure_context()
         self.stream = stream
         self.handle = lt.create()
         self.workspace = allocator.empty((WORKSPACE_BYTES,), DType.uint8)
-        self.split_k = gemv.SplitKWorkspace(allocator, stream)
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
         self._plans: dict[GemmKey, _Plan] = {}
@@ -148,37 +145,16 @@ class Gemm:
                  bias: DeviceTensor | None = None) -> None:
         """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N])."""
         gemv.check_linear_operands(out, x, weight, bias)
-        implementation = self.implementation(x, weight)
-        if implementation == CUBLASLT:
-            self.cublaslt(out, x, weight, bias)
+        if self.picks_gemv(x, weight):
+            gemv.gemv(out, x, weight, bias, self.stream)
         else:
-            gemv.gemv(out, x, weight, bias, self.stream, self._split_k(implementation))
+            self.cublaslt(out, x, weight, bias)
 
-    def implementation(self, x: DeviceTensor, weight: DeviceTensor) -> str:
-        """What runs x [M, K] @ weight [N, K]^T (valid operands): the table's pick at this
-        shape and M, or CUBLASLT where the gemv kernel cannot run these operands."""
+    def picks_gemv(self, x: DeviceTensor, weight: DeviceTensor) -> bool:
+        """Whether x [M, K] @ weight [N, K]^T (valid operands) runs on the gemv kernel:
+        the table says it wins at this shape and M, and it can run these operands."""
         (m, k), n = x.shape, weight.shape[0]
-        picked = self.table.pick(n, k, x.dtype, m)
-        return picked if picked == CUBLASLT or gemv.unsupported_reason(x, weight) is None else CUBLASLT
-
-    def silu_mul_linear(self, out: DeviceTensor, gate_up: DeviceTensor, weight: DeviceTensor,
-                        bias: DeviceTensor | None = None) -> bool:
-        """out [M, N] = (silu(gate) * up) @ weight [N, I]^T (+ bias) for gate_up [M, 2I] = [gate | up],
-        in one gemv launch, when the table picks the gemv kernel for that product and M is small
-        enough for the fused variant. Returns whether it ran; when not, nothing was enqueued."""
-        if gate_up.ndim != 2 or weight.ndim != 2:
-            return False
-        m, inter = gate_up.shape[0], weight.shape[1]
-        if not 1 <= m <= gemv.SILU_MUL_MAX_M or gate_up.shape[1] != 2 * inter or gate_up.strides[1] != 1:
-            return False
-        implementation = self.implementation(gate_up.column_slice(0, inter), weight)
-        if implementation == CUBLASLT:
-            return False
-        gemv.silu_mul_gemv(out, gate_up, weight, bias, self.stream, self._split_k(implementation))
-        return True
-
-    def _split_k(self, implementation: str) -> gemv.SplitKWorkspace | None:
-        return self.split_k if implementation == GEMV_SPLIT else None
+        return self.table.pick(n, k, x.dtype, m) == GEMV and gemv.unsupported_reason(x, weight) is None
 
     def cublaslt(self, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
                  bias: DeviceTensor | None = None) -> None:

@@ -1,11 +1,10 @@
-"""Which implementation runs a decode-sized GEMM, from measurements: cuBLASLt or the
-skinny-GEMM kernel, with or without split-K across blocks.
+"""Which implementation runs a decode-sized GEMM, from measurements: cuBLASLt or the skinny-GEMM kernel.
 
 At small M a GEMM only streams its weight. cuBLASLt leaves part of the bandwidth
 unused on some shapes (GPU-FACTS.md), and the gemv kernel (kernels/gemv.py) wins
 there, but not everywhere: the winner depends on the shape, the dtype, M and the
 device. So it is measured, not guessed. `python tools/bench_gemm.py --write-table`
-times all three on the device, at every M tile (1, 2, 4, 8, 16), for the Llama-3.1-8B
+times both on the device, at every M tile (1, 2, 4, 8, 16), for the Llama-3.1-8B
 shapes and those of a model it is given, cycling weights through more than twice
 the L2 so that no figure is cache-inflated, and writes a `GemmTable`.
 
@@ -42,7 +41,7 @@ from .kernels.gemv import MAX_M, m_tile
 
 log = logging.getLogger("sparkd.cuda.gemm")
 
-GEMV, GEMV_SPLIT, CUBLASLT = "gemv", "gemv_split", "cublaslt"
+GEMV, CUBLASLT = "gemv", "cublaslt"
 PACKAGED_DIR = Path(__file__).resolve().parent / "gemm_tables"
 _HEADER_FIELDS = ("device", "arch", "command", "measured_at", "copy_rate")
 
@@ -57,18 +56,14 @@ class ShapeKey:
 
 @dataclass(frozen=True)
 class Measurement:
-    """Bytes moved per second by each implementation, as fractions of the copy rate
-    (0 for split-K in tables measured before it existed: it never wins there)."""
+    """Bytes moved per second by each implementation, as fractions of the copy rate."""
 
     cublaslt: float
     gemv: float
-    gemv_split: float = 0.0
 
     @property
     def winner(self) -> str:
-        """The fastest; a tie keeps the simpler one (cuBLASLt, then gemv without split)."""
-        return max((self.cublaslt, CUBLASLT), (self.gemv, GEMV), (self.gemv_split, GEMV_SPLIT),
-                   key=lambda pair: pair[0])[1]
+        return GEMV if self.gemv > self.cublaslt else CUBLASLT
 
 
 @dataclass
@@ -83,7 +78,7 @@ class GemmTable:
     entries: dict[ShapeKey, Measurement] = field(default_factory=dict)
 
     def pick(self, n: int, k: int, dtype: DType, m: int) -> str:
-        """GEMV, GEMV_SPLIT or CUBLASLT for out [m, n] = x [m, k] @ W [n, k]^T in `dtype`."""
+        """GEMV or CUBLASLT for out [m, n] = x [m, k] @ W [n, k]^T in `dtype`."""
         if not 1 <= m <= MAX_M:
             return CUBLASLT
         entry = self.entries.get(ShapeKey(n, k, dtype.name, m_tile(m)))
@@ -100,8 +95,7 @@ class GemmTable:
     def from_json(cls, text: str) -> GemmTable:
         data = json.loads(text)
         entries = {ShapeKey(int(row["n"]), int(row["k"]), str(row["dtype"]), int(row["m_tile"])):
-                   Measurement(float(row["cublaslt"]), float(row["gemv"]), float(row.get("gemv_split", 0.0)))
-                   for row in data["entries"]}
+                   Measurement(float(row["cublaslt"]), float(row["gemv"])) for row in data["entries"]}
         return cls(str(data["device"]), str(data["arch"]), str(data["command"]), str(data["measured_at"]),
                    float(data["copy_rate"]), entries)
 
@@ -144,9 +138,9 @@ def load_table(device: str, arch: str) -> GemmTable:
     for path in (cache_table_path(device, arch), PACKAGED_DIR / name):
         table = read_table(path)
         if table is not None:
-            winners = sum(entry.winner != CUBLASLT for entry in table.entries.values())
-            log.info("GEMM table %s: gemv (split-K or not) wins %d of %d measured shapes and M tiles", path,
-                     winners, len(table.entries))
+            winners = sum(entry.winner == GEMV for entry in table.entries.values())
+            log.info("GEMM table %s: gemv wins %d of %d measured shapes and M tiles", path, winners,
+                     len(table.entries))
             return table
     log.info("no measured GEMM table for %s (%s): cuBLASLt runs every GEMM; "
              "`python tools/bench_gemm.py --write-table` measures one", device, arch)

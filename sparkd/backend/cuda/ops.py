@@ -189,14 +189,6 @@ class CudaOps:
         activation.silu_and_mul(out, x, self.stream)
         return out
 
-    def mlp_down(self, gate_up: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None) -> DeviceTensor:
-        """gate_up [T, 2I] = [gate | up], weight [N, I] -> [T, N]: one fused gemv launch at
-        decode sizes where the table picks gemv, else silu_and_mul then the GEMM."""
-        out = self.allocator.empty((gate_up.shape[0], weight.shape[0]), gate_up.dtype)
-        if not self.gemm.silu_mul_linear(out, gate_up, weight, bias):
-            self.gemm(out, self.silu_and_mul(gate_up), weight, bias)
-        return out
-
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)
         elementwise.add(out, x, y, self.stream)
