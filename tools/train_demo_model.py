@@ -141,7 +141,8 @@ def build_corpus(rng: random.Random) -> list[str]:
     chats = []
     # Topics overlap (e.g. "customization" is inside "specialnames"): ask about each section once.
     for heading, body in dict.fromkeys(s for topic in topics for s in topic_sections(topic) if s[1]):
-        for template in rng.sample(TOPIC_QUESTIONS, 2):
+        # Always the commonest phrasing, plus one other so the answer does not hang on the wording.
+        for template in (TOPIC_QUESTIONS[0], rng.choice(TOPIC_QUESTIONS[1:])):
             chats.append((template.format(as_phrase(heading)), first_paragraphs(body)))
     for name, doc, is_module in api_docs():
         documents.append(f"{name}\n\n{doc}" if is_module else f"{name}: {doc}")
@@ -216,11 +217,23 @@ def save_model_files(out: Path, config: dict, tokenizer: Tokenizer, model: Qwen3
 # ---- training ----
 
 
-def token_stream(documents: list[str], tokenizer: Tokenizer) -> np.ndarray:
-    """All documents as one int64 token array, each followed by <|endoftext|>."""
+def token_stream(documents: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """All documents as one int64 token array, each followed by <|endoftext|>; and where each starts."""
     eot = tokenizer.token_to_id(ENDOFTEXT)
     ids = [encoding.ids + [eot] for encoding in tokenizer.encode_batch(documents)]
-    return np.fromiter((i for doc in ids for i in doc), dtype=np.int64)
+    lengths = np.array([len(doc) for doc in ids])
+    return np.fromiter((i for doc in ids for i in doc), dtype=np.int64), np.cumsum(lengths) - lengths
+
+
+def window_starts(rng: np.random.Generator, doc_starts: np.ndarray, num_tokens: int, args: argparse.Namespace) -> np.ndarray:
+    """[batch_size] window offsets: half at a random token, half at a document's first token.
+
+    Prompts arrive at position 0 with nothing before them; windows that also start a document
+    teach the model that case, which random offsets (almost always mid-document) never show."""
+    last = num_tokens - args.seq_len - 1
+    anywhere = rng.integers(0, last, args.batch_size)
+    at_document = rng.choice(doc_starts[doc_starts < last], args.batch_size)
+    return np.where(rng.random(args.batch_size) < 0.5, anywhere, at_document)
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
@@ -231,8 +244,8 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model: Qwen3ForCausalLM, stream: np.ndarray, args: argparse.Namespace) -> list[float]:
-    """args.steps AdamW steps on random windows of the stream; returns the loss of every step."""
+def train(model: Qwen3ForCausalLM, stream: np.ndarray, doc_starts: np.ndarray, args: argparse.Namespace) -> list[float]:
+    """args.steps AdamW steps on windows of the stream; returns the loss of every step."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -243,7 +256,7 @@ def train(model: Qwen3ForCausalLM, stream: np.ndarray, args: argparse.Namespace)
     offsets = np.arange(args.seq_len + 1)
     losses, start = [], time.time()
     for step in range(args.steps):
-        windows = torch.from_numpy(stream[rng.integers(0, len(stream) - args.seq_len - 1, args.batch_size)[:, None] + offsets])
+        windows = torch.from_numpy(stream[window_starts(rng, doc_starts, len(stream), args)[:, None] + offsets])
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         # bf16 matmuls with fp32 master weights: about 1.4x faster on AVX512-BF16 CPUs.
@@ -343,12 +356,12 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     documents = build_corpus(random.Random(args.seed))
     tokenizer = train_tokenizer(documents, args.vocab_size)
-    stream = token_stream(documents, tokenizer)
+    stream, doc_starts = token_stream(documents, tokenizer)
     config = model_config(tokenizer)
     model = Qwen3ForCausalLM(Qwen3Config(**config))
     params = sum(p.numel() for p in model.parameters())
     print(f"{len(documents)} documents, {len(stream)} tokens, {params / 1e6:.2f}M parameters", flush=True)
-    losses = train(model, stream, args)
+    losses = train(model, stream, doc_starts, args)
     save_model_files(args.out, config, tokenizer, model)
     samples = greedy_samples(args.out)
     facts = {
