@@ -5,7 +5,7 @@ built in a fixed order from this interpreter's own documentation, every random c
 one seed, and training is a fixed number of optimizer steps. Writes bf16 safetensors, config and
 tokenizer files to sparkd/demo_model/ and the results to docs/demo_model.md.
 
-    python tools/train_demo_model.py --steps 1200
+    python tools/train_demo_model.py            # --help for steps, lr, seed, threads
 """
 
 from __future__ import annotations
