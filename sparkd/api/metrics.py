@@ -38,23 +38,21 @@ class _EngineStatsCollector:
 
     def collect(self):
         s = self.engine.stats()
-        for name, doc, value in (
-            ("sparkd:num_requests_running", "Requests in the running batch.", s.num_running),
-            ("sparkd:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("sparkd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", s.kv_cache_usage),
+        for family, name, doc, value in (
+            (GaugeMetricFamily, "sparkd:num_requests_running", "Requests in the running batch.", s.num_running),
+            (GaugeMetricFamily, "sparkd:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            (GaugeMetricFamily, "sparkd:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
+             s.kv_cache_usage),
+            (CounterMetricFamily, "sparkd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries),
+            (CounterMetricFamily, "sparkd:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             s.prefix_cache_hits),
+            (CounterMetricFamily, "sparkd:prompt_tokens", "Prompt tokens received.", s.prompt_tokens_total),
+            (CounterMetricFamily, "sparkd:generation_tokens", "Tokens generated.", s.generation_tokens_total),
         ):
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
-            gauge.add_metric(self.labels, value)
-            yield gauge
-        for name, doc, value in (
-            ("sparkd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            ("sparkd:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            ("sparkd:prompt_tokens", "Prompt tokens received.", s.prompt_tokens_total),
-            ("sparkd:generation_tokens", "Tokens generated.", s.generation_tokens_total),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(self.labels, value)
-            yield counter
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric(self.labels, value)
+            yield metric
 
 
 class ServerMetrics:
