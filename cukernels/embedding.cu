@@ -21,3 +21,14 @@ __global__ void gather_rows_kernel(Word* __restrict__ out, const Word* __restric
   const Word* src = table + static_cast<long long>(id) * row_words;
   for (int i = threadIdx.x; i < row_words; i += blockDim.x) dst[i] = src[i];
 }
+
+// The input ids an earlier step drew on the device (async scheduling: the host
+// schedules step N+1 before step N's ids come back):
+//   token_ids[pairs[i]] = drawn[pairs[num_pairs + i]]  for i < num_pairs.
+// token_ids: [T] int32  drawn: [B'] int32  pairs: [2, num_pairs] int32 (rows, drawn rows)
+// Launch: grid = ceil(num_pairs / 256) blocks of 256 threads.
+__global__ void copy_drawn_tokens_kernel(int* __restrict__ token_ids, const int* __restrict__ drawn,
+                                         const int* __restrict__ pairs, int num_pairs) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < num_pairs) token_ids[pairs[i]] = drawn[pairs[num_pairs + i]];
+}

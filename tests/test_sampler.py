@@ -206,7 +206,19 @@ def request(seed=0, prompt=(1, 2, 3), output=(), eos=frozenset({9}), **params) -
     req = Request(request_id=str(seed), prompt_token_ids=list(prompt), sampling_params=SamplingParams(**params),
                   seed=seed, eos_token_ids=eos)
     req.output_token_ids = list(output)
+    req.num_output_placeholders = 1  # scheduled: the step being prepared draws its next token
     return req
+
+
+def test_a_token_in_flight_counts_as_drawn():
+    """Async scheduling: the step in flight draws one more token before this one's draw."""
+    req = request(seed=1, output=[5], min_tokens=3)
+    req.num_output_placeholders = 2
+    t = build_sampling_tensors([req])
+    assert t.steps.tolist() == [2] and t.banned_token_ids.tolist() == [[9]]
+    req.output_token_ids.append(6)
+    t = build_sampling_tensors([req])
+    assert t.steps.tolist() == [3] and t.banned_token_ids.shape == (1, 0)
 
 
 def test_build_sampling_tensors():

@@ -7,6 +7,7 @@ from sparkd.engine.sampling_params import SamplingParams
 def request(seed, output=(), **params):
     req = Request(str(seed), [1, 2, 3], SamplingParams(**params), seed=seed, eos_token_ids=frozenset({9}))
     req.output_token_ids = list(output)
+    req.num_output_placeholders = 1  # scheduled: the step being prepared draws its next token
     return req
 
 

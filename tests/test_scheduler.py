@@ -22,30 +22,39 @@ EOS = 2
 
 
 class FakeModel:
+    """Runs steps on a token-id "KV cache", as a device would: a placeholder's id is
+    the one this model drew for that request in the step before (`drawn`)."""
+
     def __init__(self, scheduler: Scheduler, script: dict[str, list[int]] | None = None):
         self.scheduler = scheduler
         self.kv_cache = [None] * (scheduler.kv.pool.num_blocks * BS)
         self.script = script or {}  # request id -> tokens to emit instead of the context function
+        self.drawn: dict[str, int] = {}  # request id -> the id it drew in the last step
 
     def sample(self, output) -> list:
         sampled = []
+        drawn = {}
         ref_cnt = self.scheduler.kv.pool.ref_cnt
         for seq in output.scheduled:
             request = seq.request
             tokens = request.all_token_ids
-            start, end = request.num_computed_tokens, request.num_computed_tokens + seq.num_new_tokens
+            start, end = seq.start, seq.start + seq.num_new_tokens
+            if end > len(tokens):
+                tokens = tokens + [self.drawn[request.request_id]]
             for pos in range(start, end):
                 block_id = seq.block_ids[pos // BS]
                 assert ref_cnt[block_id] == 1, "a shared block must never be written"
                 self.kv_cache[block_id * BS + pos % BS] = tokens[pos]
-            if end < request.num_tokens:
+            if not seq.draws:
                 sampled.append(None)
                 continue
             context = [self.kv_cache[seq.block_ids[pos // BS] * BS + pos % BS] for pos in range(end)]
             assert context == tokens, f"{request.request_id} read a corrupted context"
             script = self.script.get(request.request_id)
-            token = script[request.num_output_tokens] if script else next_token(context)
+            token = script[len(tokens) - request.num_prompt_tokens] if script else next_token(context)
+            drawn[request.request_id] = token
             sampled.append((token, None))
+        self.drawn = drawn
         return sampled
 
 
@@ -75,14 +84,26 @@ def run_step(scheduler: Scheduler, model: FakeModel):
 
 
 def run_to_completion(scheduler: Scheduler, requests: list[Request], model: FakeModel | None = None,
-                      max_steps: int = 1000) -> list:
+                      max_steps: int = 1000, pipelined: bool = False) -> list:
+    """pipelined: async scheduling, step N+1 is scheduled and run before step N's update."""
     model = model or FakeModel(scheduler)
     for request in requests:
         scheduler.add_request(request)
     outputs = []
-    while scheduler.has_unfinished_requests():
-        outputs.append(run_step(scheduler, model)[0])
+    in_flight = None
+    while scheduler.has_unfinished_requests() or in_flight is not None:
+        if not pipelined:
+            outputs.append(run_step(scheduler, model)[0])
+        else:
+            output = scheduler.schedule()
+            launched = (output, model.sample(output)) if output.scheduled else None
+            if in_flight is not None:
+                scheduler.update(*in_flight)
+                scheduler.check_integrity()
+            in_flight = launched
+            outputs.append(output)
         assert len(outputs) < max_steps
+    assert in_flight is None
     assert scheduler.kv.num_free_blocks == scheduler.kv.pool.num_blocks
     return outputs
 
@@ -105,10 +126,11 @@ def reference_tokens() -> dict[str, list[int]]:
     return generated(requests)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("caching", [True, False])
-def test_chunked_prefill_gives_the_same_tokens(reference_tokens, caching):
+def test_chunked_prefill_gives_the_same_tokens(reference_tokens, caching, pipelined):
     requests = workload()
-    outputs = run_to_completion(make_scheduler(budget=16, caching=caching), requests)
+    outputs = run_to_completion(make_scheduler(budget=16, caching=caching), requests, pipelined=pipelined)
     assert generated(requests) == reference_tokens
     # the 90-token prompt took several chunks, and chunks shared steps with decodes
     long_chunks = [s.num_new_tokens for out in outputs for s in out.scheduled if s.request.request_id == "r3"]
@@ -116,11 +138,12 @@ def test_chunked_prefill_gives_the_same_tokens(reference_tokens, caching):
     assert any(len({s.num_new_tokens for s in out.scheduled}) > 1 for out in outputs)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("caching", [True, False])
-def test_a_tiny_pool_preempts_and_still_gives_the_same_tokens(reference_tokens, caching):
+def test_a_tiny_pool_preempts_and_still_gives_the_same_tokens(reference_tokens, caching, pipelined):
     requests = workload()
     scheduler = make_scheduler(num_blocks=26, budget=32, caching=caching)
-    outputs = run_to_completion(scheduler, requests)
+    outputs = run_to_completion(scheduler, requests, pipelined=pipelined)
     assert generated(requests) == reference_tokens
     assert any(out.preempted for out in outputs)
     assert sum(r.num_preemptions for r in requests) > 0
@@ -257,10 +280,10 @@ def test_n_siblings_wait_for_the_prompt_then_share_its_full_blocks(caching):
     assert scheduler.kv.num_free_blocks == scheduler.kv.pool.num_blocks
 
 
-def run_scripted(script: list[int], **params) -> Request:
+def run_scripted(script: list[int], pipelined: bool = False, **params) -> Request:
     scheduler = make_scheduler()
     request = make_request("a", range(5), **params)
-    run_to_completion(scheduler, [request], FakeModel(scheduler, {"a": script}))
+    run_to_completion(scheduler, [request], FakeModel(scheduler, {"a": script}), pipelined=pipelined)
     return request
 
 
@@ -274,8 +297,9 @@ def run_scripted(script: list[int], **params) -> Request:
     ({"max_tokens": 3}, [20, 21, 22], RequestStatus.FINISHED_LENGTH, None),
     ({"max_tokens": 2, "min_tokens": 2}, [20, EOS], RequestStatus.FINISHED_STOPPED, None),
 ])
-def test_stop_conditions(params, emitted, status, stop_reason):
-    request = run_scripted(emitted + [40] * 8, **params)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_stop_conditions(params, emitted, status, stop_reason, pipelined):
+    request = run_scripted(emitted + [40] * 8, pipelined, **params)
     assert request.output_token_ids == emitted
     assert request.status is status and request.stop_reason == stop_reason
 

@@ -2,11 +2,12 @@
 
   python tools/bench_decode.py [--layers 32] [--steps 64] [--no-transformers]
 
-Random weights are made on the device, so no checkpoint is needed. Each measure runs
-through `LLMEngine.step` (scheduling, input preparation, graph replay or eager
-forward, sampling on the device, output processing: what a request sees); for the
-decode cases the forward alone (back-to-back replays of the captured decode graph,
-timed by events) is shown too, so host overhead shows as the gap between the two.
+Random weights are made on the device, so no checkpoint is needed. Decode runs three
+ways: served (the AsyncEngine loop of `sparkd serve`, which prepares step N+1 while
+step N runs: what a request sees), sequential (`LLMEngine.step`: scheduling, input
+preparation, graph replay, sampling, output processing one after the other), and
+the forward alone (back-to-back replays of the captured decode graph, timed by
+events), so host overhead shows as the gaps between them.
 - batch-1 decode after a 128-token prompt;
 - batch-64 decode, every context 1k tokens;
 - one 8k-token prompt, computed in a single prefill step.
@@ -41,6 +42,7 @@ from sparkd.backend.cuda.driver import Stream, call  # noqa: E402
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from sparkd.engine.args import EngineArgs  # noqa: E402
+from sparkd.engine.async_engine import AsyncEngine  # noqa: E402
 from sparkd.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from sparkd.engine.model_runner import prepare_inputs  # noqa: E402
 from sparkd.models.config import ModelConfig  # noqa: E402
@@ -178,6 +180,40 @@ def run_decode(model: Model, batch: int, context: int, steps: int, copy_rate: fl
     return batch * steps / engine_seconds, forward_seconds, floor_seconds
 
 
+def run_served_decode(model: Model, cases: list[tuple[int, int]], steps: int, rng) -> list[float]:
+    """Tokens/s of each (batch, context) decode case through the AsyncEngine loop on uvloop,
+    over the steps in which every sequence of the batch got a token (prompts and the first
+    WARMUP_STEPS decode steps excluded). Shuts the engine down at the end."""
+    import uvloop
+
+    engine = AsyncEngine(model.engine)
+    core = model.engine
+    step_times: list[tuple[float, int]] = []
+    postprocess = core.postprocess
+    core.postprocess = lambda output, sampled: (step_times.append((time.perf_counter(), len(output.scheduled))),
+                                                postprocess(output, sampled))[1]
+
+    async def one_case(batch: int, context: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=WARMUP_STEPS + steps, ignore_eos=True)
+        step_times.clear()
+        streams = [engine.add_request(rng.integers(0, model.config.vocab_size, context).tolist(), params)
+                   for _ in range(batch)]
+        for stream in streams:
+            async for _ in stream:
+                pass
+        full = [t for t, n in step_times if n == batch][WARMUP_STEPS:]
+        return batch * (len(full) - 1) / (full[-1] - full[0])
+
+    async def scenario() -> list[float]:
+        await engine.start()
+        try:
+            return [await one_case(batch, context) for batch, context in cases]
+        finally:
+            await engine.shutdown()
+
+    return uvloop.run(scenario())
+
+
 def decode_forward_seconds(engine: LLMEngine, reps: int = 20) -> float:
     """GPU seconds of one decode forward: back-to-back replays of the next step's graph.
     The step is then run for real, so the engine's books stay straight."""
@@ -244,6 +280,12 @@ def transformers_decode(num_layers: int, new_tokens: int) -> tuple[float, float]
     return new_tokens / total, (new_tokens - 1) / (total - prompt_forward)
 
 
+def print_decode_row(batch: int, context: int, how: str, tokens_per_s: float, roofline: float, target: float) -> None:
+    print(f"| batch-{batch} decode, {context}-token context, {how} | {tokens_per_s:.1f} tok/s | "
+          f"{roofline:.1f} tok/s | {tokens_per_s / roofline:.3f} | {verdict(tokens_per_s / roofline, target)} |",
+          flush=True)
+
+
 def verdict(value: float, target: float) -> str:
     return f"{'meets' if value >= target else 'MISSES'} >= {target:g}"
 
@@ -267,29 +309,31 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
     print("\n| measure | sparkd | ceiling | fraction | target |\n| --- | --- | --- | --- | --- |")
-    batch1_tokens_per_s = 0.0
-    for batch, context, target in ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE)):
+    cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))
+    measured = []
+    for batch, context, target in cases:
         tokens_per_s, forward_seconds, floor_seconds = run_decode(model, batch, context, args.steps, copy_rate, rng)
-        roofline = batch / floor_seconds
-        for how, value in (("engine step", tokens_per_s), ("forward only", batch / forward_seconds)):
-            print(f"| batch-{batch} decode, {context}-token context, {how} | {value:.1f} tok/s | "
-                  f"{roofline:.1f} tok/s | {value / roofline:.3f} | {verdict(value / roofline, target)} |", flush=True)
-        if batch == 1:
-            batch1_tokens_per_s = tokens_per_s
-            print(f"| batch-1 decode, engine step | {tokens_per_s:.1f} tok/s | | | "
-                  f"{verdict(tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s |", flush=True)
+        measured.append((batch, context, target, batch / floor_seconds))
+        for how, value in (("sequential step", tokens_per_s), ("forward only", batch / forward_seconds)):
+            print_decode_row(batch, context, how, value, batch / floor_seconds, target)
     prefill_seconds = run_prefill(model, PREFILL_LEN, reps=3, rng=rng)
     prefill_flops = model.prefill_flops(PREFILL_LEN) / prefill_seconds
     print(f"| {PREFILL_LEN}-token prefill, engine step ({prefill_seconds * 1e3:.1f} ms) | "
           f"{prefill_flops / 1e12:.0f} TFLOP/s | {gemm_flops / 1e12:.0f} TFLOP/s | {prefill_flops / gemm_flops:.3f} | "
           f"{verdict(prefill_flops / gemm_flops, PREFILL_GEMM)} |", flush=True)
+    served = run_served_decode(model, [(batch, context) for batch, context, _, _ in measured], args.steps, rng)
+    for (batch, context, target, roofline), tokens_per_s in zip(measured, served):
+        print_decode_row(batch, context, "served (AsyncEngine)", tokens_per_s, roofline, target)
+    batch1_tokens_per_s = served[0]
+    print(f"| batch-1 decode, served | {batch1_tokens_per_s:.1f} tok/s | | | "
+          f"{verdict(batch1_tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s |", flush=True)
 
     peer = None if args.no_transformers else transformers_decode(args.layers, new_tokens=PROMPT_LEN)
     if peer is None:
         print("\n# transformers baseline skipped (--no-transformers, or no CUDA torch)")
         return 0
     generate_tokens_per_s, decode_tokens_per_s = peer
-    print("\n| transformers, static cache, compiled, batch 1 | tok/s | sparkd engine / it | target |")
+    print("\n| transformers, static cache, compiled, batch 1 | tok/s | sparkd served / it | target |")
     print("| --- | --- | --- | --- |")
     print(f"| generate: {PROMPT_LEN}-token prompt + {PROMPT_LEN} new tokens | {generate_tokens_per_s:.1f} | "
           f"{batch1_tokens_per_s / generate_tokens_per_s:.2f} | |")

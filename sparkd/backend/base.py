@@ -14,6 +14,7 @@ Shapes use these letters:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -119,6 +120,18 @@ class SamplerOutput:
     top_logprobs: np.ndarray | None = None
 
 
+@dataclass
+class SampledTokens:
+    """What `Ops.sample_async` returns as soon as the draw is enqueued.
+
+    token_ids: [B] int32 backend tensor of the drawn ids; the next step may read it
+               (`copy_drawn_tokens_`) before the host knows them.
+    result:    waits for the draw and returns the host results."""
+
+    token_ids: Tensor
+    result: Callable[[], SamplerOutput]
+
+
 class Ops(Protocol):
     """Compute backend. Every op is functional unless its name ends in `_`
     or it says it writes a cache."""
@@ -195,3 +208,11 @@ class Ops(Protocol):
 
     def sample(self, logits: Tensor, params: SamplingTensors) -> SamplerOutput:
         """Process and draw one token per row. logits [B, V] float32."""
+
+    def sample_async(self, logits: Tensor, params: SamplingTensors) -> SampledTokens:
+        """`sample`, returning once the draw is enqueued."""
+
+    def copy_drawn_tokens_(self, token_ids: Tensor, rows: np.ndarray, drawn: Tensor, drawn_rows: np.ndarray) -> None:
+        """token_ids[rows[i]] = drawn[drawn_rows[i]]: a step's input ids that an earlier
+        step drew on the device. token_ids [T] int32, drawn [B'] int32, rows and
+        drawn_rows [P] int32 host arrays."""

@@ -10,6 +10,8 @@ class EngineArgs:
     """model: a local HF checkpoint directory (None = the embedded demo model).
     num_gpu_blocks_override: fix the KV pool size in blocks (tests, tuning).
     kv_cache_memory_gb: CPU backend KV pool budget when no override is given.
+    capture_graphs_at_startup: capture every decode graph before serving (False:
+      each at its first use, so a capture failure fails the request that hit it).
     """
 
     model: str | None = None
@@ -25,6 +27,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_gb: float = 2.0
     seed: int = 0
+    capture_graphs_at_startup: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

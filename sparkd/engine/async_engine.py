@@ -1,10 +1,10 @@
 """AsyncEngine: the asyncio loop that owns the engine.
 
 Scheduling, input bookkeeping and output processing run on the event loop; the
-step's device work (`LLMEngine.execute`) runs in one worker thread, so SSE writes
-and new requests keep flowing while the model computes. On CUDA that thread
-enqueues the step on the stream and then waits in the sampler's device-to-host
-copy (cuStreamSynchronize releases the GIL); the loop awaits the thread's future,
+step's device work (`LLMEngine.launch`, `collect`) runs in one worker thread, so
+SSE writes and new requests keep flowing while the model computes. On CUDA that
+thread enqueues the step on the stream, and later waits for the sampler's
+device-to-host copy (cuEventSynchronize releases the GIL); the loop awaits the thread's future,
 which asyncio resolves through call_soon_threadsafe. Requests talk to the loop only
 through `add_request` / `abort`; each request's outputs go to its own `RequestStream`.
 
@@ -18,30 +18,53 @@ Failures:
   non-zero (the CLI awaits `wait_dead()`, or polls `is_dead`, and exits 1) so a
   supervisor restarts it: the device cannot be recovered in-process.
 
-Not done yet: preparing step N+1 on the host while step N runs on the GPU. It
-needs (1) a sampler that ends the step with an event instead of host results, so
-the ids can stay on the device; (2) the scheduler to schedule N+1 before N's
-tokens are known, assuming one token per running decode and discarding it for
-requests that N finished (vLLM's async scheduling); (3) decode graphs that read
-their input ids from N's sampler output on the device instead of a host upload.
+Liveness: `heartbeat` is the monotonic time of the loop's last iteration; the
+loop wakes at least every HEARTBEAT_INTERVAL_S while idle, so a heartbeat older
+than a few intervals means the loop is stuck (a hung forward, a deadlock). The
+server's watchdog pings systemd only while the heartbeat is fresh.
+
+Set SPARKD_TEST_STALL_ENGINE_LOOP=1 to make the loop hang, as a hung GPU would,
+at the first step it runs (the event loop itself stays responsive). TEST-ONLY:
+it exists so tests can prove that a stuck engine stops the watchdog pings.
+
+Async scheduling: the loop schedules and launches step N+1 before it collects
+step N, so the host prepares N+1 (and post-processes N) while N runs on the
+device. N+1 reads the ids N draws on the device (placeholders, see Scheduler);
+a request that N stops has one wasted token in N+1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import os
+import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..backend.base import DeviceLostError
 from .args import EngineArgs
 from .llm_engine import EngineStats, LLMEngine, RequestError
+from .model_runner import LaunchedStep
+from .scheduler import SchedulerOutput
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("sparkd.engine")
 
+HEARTBEAT_INTERVAL_S = 0.5
+STALL_LOOP_ENV = "SPARKD_TEST_STALL_ENGINE_LOOP"
+
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestError", "RequestStream"]
+
+
+@dataclass
+class _InFlight:
+    """A launched step and what it was scheduled from."""
+
+    output: SchedulerOutput
+    step: LaunchedStep
 
 
 class EngineDeadError(RuntimeError):
@@ -91,10 +114,12 @@ class AsyncEngine:
         self._step_running = False
         self.dead_reason: str | None = None
         self._dead = asyncio.Event()
+        self.heartbeat = time.monotonic()
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> AsyncEngine:
-        return cls(LLMEngine(args))
+    def from_args(cls, args: EngineArgs, progress: Callable[[str], None] | None = None) -> AsyncEngine:
+        """progress: called with one-line status messages while the model loads and warms up."""
+        return cls(LLMEngine(args, progress=progress))
 
     # ---- properties the API layer reads ----
     @property
@@ -112,6 +137,11 @@ class AsyncEngine:
     @property
     def model_config(self):
         return self.core.model_config
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests whose stream is still open (queued, running, or with outputs not yet read)."""
+        return len(self._streams)
 
     @property
     def is_dead(self) -> bool:
@@ -176,47 +206,91 @@ class AsyncEngine:
         if not self._step_running:
             self._apply_aborts()
 
+    def fail_all(self, message: str) -> None:
+        """End every open request now with an error output carrying `message` (the
+        stream's last item), and abort it (e.g. when a drain runs out of time)."""
+        for request_id, stream in list(self._streams.items()):
+            final = self.core.output_processor.fail(request_id, message)
+            if final is not None:
+                stream.put(final)
+            self.abort(request_id)
+
     def _apply_aborts(self) -> None:
         while self._pending_aborts:
             self.core.abort(self._pending_aborts.pop())
 
     # ---- the loop ----
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Async scheduling: schedule and launch step N+1, then collect and post-process
+        step N while N+1 runs on the device. A step whose sampling reads earlier output
+        ids (penalties) is collected before the next one is scheduled."""
         core = self.core
+        stall = os.environ.get(STALL_LOOP_ENV, "0") not in ("", "0")
+        in_flight: _InFlight | None = None
         try:
             while True:
-                if not core.has_unfinished_requests():
+                self.heartbeat = time.monotonic()
+                if in_flight is None and not core.has_unfinished_requests():
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), HEARTBEAT_INTERVAL_S)
+                    except TimeoutError:
+                        pass
                     continue
-                output = core.schedule()
-                if not output.scheduled:
-                    await asyncio.sleep(0.001)
-                    continue
-                self._step_running = True
-                try:
-                    sampled = await loop.run_in_executor(self._executor, core.execute, output)
-                except Exception as exc:
-                    self._step_running = False
-                    if isinstance(exc, DeviceLostError):
-                        log.exception("the device is lost")
-                        self._die(f"the device is lost: {exc}")
-                        return
-                    # One bad batch fails its own requests, not the server.
-                    log.exception("forward failed; failing the %d requests of this step", len(output.scheduled))
-                    self._fail_step(output, exc)
-                    self._apply_aborts()
-                    continue
-                self._step_running = False
-                self._apply_aborts()
-                self._dispatch(core.postprocess(output, sampled))
+                if stall:
+                    log.warning("%s is set: the engine loop hangs now (test-only)", STALL_LOOP_ENV)
+                    await asyncio.Event().wait()
+                launched = None
+                if in_flight is None or not in_flight.step.reads_output_ids:
+                    launched = await self._launch(core.schedule(), in_flight)
+                if in_flight is not None:
+                    await self._finish(in_flight)
+                elif launched is None:
+                    await asyncio.sleep(0.001)  # nothing could be scheduled yet
+                in_flight = launched
                 await asyncio.sleep(0)  # let SSE writers run between steps
         except asyncio.CancelledError:
             raise
+        except DeviceLostError as exc:
+            log.exception("the device is lost")
+            self._die(f"the device is lost: {exc}")
         except BaseException as exc:
             self._die(f"engine loop crashed: {exc!r}")
             raise
+
+    async def _launch(self, output: SchedulerOutput, in_flight: _InFlight | None) -> _InFlight | None:
+        """Enqueue a scheduled step; None when nothing was scheduled or the launch failed."""
+        if not output.scheduled:
+            return None
+        previous = in_flight.step if in_flight is not None else None
+        try:
+            step = await self._in_worker(self.core.launch, output, previous)
+        except DeviceLostError:
+            raise
+        except Exception as exc:
+            self._fail_step(output, exc)
+            return None
+        return _InFlight(output, step)
+
+    async def _finish(self, in_flight: _InFlight) -> None:
+        """Wait for a launched step's tokens and hand out its outputs."""
+        try:
+            sampled = await self._in_worker(self.core.collect, in_flight.step)
+        except DeviceLostError:
+            raise
+        except Exception as exc:
+            self._fail_step(in_flight.output, exc)
+            return
+        self._dispatch(self.core.postprocess(in_flight.output, sampled))
+
+    async def _in_worker(self, fn, *args):
+        """Run device work in the worker thread; aborts wait until it returns."""
+        self._step_running = True
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._step_running = False
+            self._apply_aborts()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -227,7 +301,9 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _fail_step(self, output, exc: Exception) -> None:
+    def _fail_step(self, output: SchedulerOutput, exc: Exception) -> None:
+        """One bad batch fails its own requests, not the server."""
+        log.error("a step failed; failing its %d requests", len(output.scheduled), exc_info=exc)
         group_ids = {s.request.group_id for s in output.scheduled}
         for group_id in group_ids:
             final = self.core.fail(group_id, f"internal error while running the model: {type(exc).__name__}")

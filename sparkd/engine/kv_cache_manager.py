@@ -156,11 +156,13 @@ class KVCacheManager:
         return table
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Publish the full blocks among `request`'s first num_computed_tokens in the prefix cache."""
+        """Publish the full blocks among `request`'s computed tokens whose ids are known
+        (not placeholders) in the prefix cache. A block whose K/V a step in flight still
+        writes may be published: whoever reads it runs later on the same stream."""
         if not self.enable_prefix_caching:
             return
         request_id = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         num_cached = self._num_cached_blocks[request_id]
         if num_full <= num_cached:
             return

@@ -1,7 +1,8 @@
 """The synchronous engine: one step = schedule, execute, post-process.
 
-`LLM` drives it in a plain loop; `AsyncEngine` runs `execute` in a worker
-thread so the event loop never blocks on the forward.
+`LLM` drives it in a plain loop; `AsyncEngine` pipelines it (schedule and
+launch step N+1, then collect and post-process step N) with the device work in
+a worker thread, so the event loop never blocks on the forward.
 
 The KV block pool is sized once the weights are loaded: on a GPU from
 `--gpu-memory-utilization` (what the weights left, less an activation reserve),
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from ..backend import create_backend
 from ..backend.base import Ops
 from ..models.registry import load_model
 from .args import EngineArgs
-from .model_runner import ModelRunner, SampledToken, nvtx_range
+from .model_runner import LaunchedStep, ModelRunner, SampledToken, nvtx_range
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
@@ -57,14 +60,15 @@ class LoadedModel:
     source: str  # where it came from, for the logs
 
 
-def load_checkpoint(args: EngineArgs) -> LoadedModel:
-    """`args.model` (None: the embedded demo model) on the backend `args.device` asks for."""
+def load_checkpoint(args: EngineArgs, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    """`args.model` (None: the embedded demo model) on the backend `args.device` asks for.
+    progress: gets weight-loading status lines."""
     model_dir = Path(args.model) if args.model else DEMO_MODEL_DIR
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}: --model must be a local Hugging Face checkpoint directory")
     ops = create_backend(args.device, args.dtype, _checkpoint_dtype(model_dir))
     name = args.served_model_name or (args.model if args.model else DEMO_MODEL_NAME)
-    return LoadedModel(ops, load_model(model_dir, ops), load_tokenizer(model_dir), name, str(model_dir))
+    return LoadedModel(ops, load_model(model_dir, ops, progress), load_tokenizer(model_dir), name, str(model_dir))
 
 
 class RequestError(ValueError):
@@ -88,10 +92,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
-        """Serve `loaded`, or the checkpoint `args` names when it is None."""
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
+                 progress: Callable[[str], None] | None = None):
+        """Serve `loaded`, or the checkpoint `args` names when it is None.
+        progress: gets one-line status messages while loading and warming up."""
         self.args = args
-        loaded = loaded or load_checkpoint(args)
+        loaded = loaded or load_checkpoint(args, progress)
         self.ops, self.model, self.tokenizer = loaded.ops, loaded.model, loaded.tokenizer
         self.model_name = loaded.name
         self.model_config = cfg = self.model.config
@@ -103,6 +109,12 @@ class LLMEngine:
                                                cfg.head_dim)
         self.runner = ModelRunner(self.model, self.ops, kv_caches, args.block_size, args.max_num_seqs,
                                   self.max_model_len)
+        if args.capture_graphs_at_startup and self.runner.decode_graphs is not None:
+            if progress is not None:
+                progress("capturing the decode graphs")
+            started = time.monotonic()
+            self.runner.capture_graphs()
+            log.info("captured the decode graphs in %.1f s", time.monotonic() - started)
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -223,6 +235,15 @@ class LLMEngine:
         """Run the step on the backend. Any exception leaves the step's requests to be
         failed by the caller (`fail`), except DeviceLostError: then the process must exit."""
         return self.runner.execute(output)
+
+    def launch(self, output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue the step (async scheduling); `previous` is the step still in flight.
+        Errors as for `execute`."""
+        return self.runner.launch(output, previous)
+
+    def collect(self, step: LaunchedStep) -> list[SampledToken | None]:
+        """Wait for a launched step's tokens. Errors as for `execute`."""
+        return self.runner.collect(step)
 
     def postprocess(self, output: SchedulerOutput, sampled: list[SampledToken | None]) -> list[RequestOutput]:
         updated = self.scheduler.update(output, sampled)

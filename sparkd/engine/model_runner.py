@@ -5,9 +5,12 @@ the sequences of the step. On CUDA, a decode step (one new token per sequence,
 every sequence sampling) replays the captured graph of its padded batch size
 (`DecodeGraphRunner`); prefill and mixed steps run eagerly.
 
-`execute` blocks until the sampled ids are on the host. The engine calls it from
-a worker thread (CUDA releases the GIL while the thread waits for the stream),
-so the event loop never waits on the device.
+A step is `launch`ed (inputs prepared, forward and draw enqueued) and later
+`collect`ed (waits for the drawn ids on the host). Between the two the host may
+launch the next step: an input id that a step in flight draws (a placeholder,
+see Scheduler) is copied on the device from that step's drawn ids. The engine
+calls both from a worker thread (CUDA releases the GIL while the thread waits
+for the stream), so the event loop never waits on the device.
 
 The runner knows backends only through `Ops` (graphs come from
 `ops.decode_graph_runner`, which is None on the CPU).
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend.base import AttentionMetadata, Ops, SamplerOutput
+from ..backend.base import AttentionMetadata, Ops, SampledTokens, SamplerOutput
 from .block_table import PersistentBlockTable
 from .kv_cache_manager import slot_mapping
 from .outputs import TokenLogprob
@@ -48,6 +51,8 @@ class StepInputs:
     sample_rows: indices into the step's sequences that draw a token (their
       prompt is fully computed after this step).
     logits_indices: [len(sample_rows)] int32, the row in T of each sampler's last token.
+    pending_rows: [P] int32, the rows of token_ids (0 on the host) that a step in
+      flight draws; pending_requests: their P requests.
     """
 
     token_ids: np.ndarray
@@ -55,6 +60,8 @@ class StepInputs:
     attn: AttentionMetadata
     sample_rows: list[int]
     logits_indices: np.ndarray
+    pending_rows: np.ndarray
+    pending_requests: list[Request]
 
     @property
     def is_decode(self) -> bool:
@@ -72,17 +79,26 @@ def prepare_inputs(scheduled, block_table: PersistentBlockTable, block_size: int
     rows: list[int] = []
     tokens: list[int] = []
     sample_rows: list[int] = []
+    pending_rows: list[int] = []
+    pending_requests: list[Request] = []
     max_blocks = 0
     for i, s in enumerate(scheduled):
         req: Request = s.request
-        lo = req.num_computed_tokens
+        lo = s.start
         hi = lo + s.num_new_tokens
         num_new.append(s.num_new_tokens)
         starts.append(lo)
         rows.append(block_table.row(req, s.block_ids))
         max_blocks = max(max_blocks, len(s.block_ids))
-        tokens += req.token_slice(lo, hi)
-        if hi == req.num_tokens:
+        known = req.num_tokens
+        if hi <= known:
+            tokens += req.token_slice(lo, hi)
+        else:  # the last token is the one the step in flight draws (only ever one)
+            tokens += req.token_slice(lo, hi - 1)
+            pending_rows.append(len(tokens))
+            pending_requests.append(req)
+            tokens.append(0)
+        if s.draws:
             sample_rows.append(i)
 
     num_new_array = np.array(num_new, np.int32)
@@ -108,7 +124,24 @@ def prepare_inputs(scheduled, block_table: PersistentBlockTable, block_size: int
         max_seq_len=int(seq_lens.max()),
     )
     logits_indices = (query_start_loc[1:][sample_rows] - 1).astype(np.int32)
-    return StepInputs(np.array(tokens, np.int32), positions, attn, sample_rows, logits_indices)
+    return StepInputs(np.array(tokens, np.int32), positions, attn, sample_rows, logits_indices,
+                      np.array(pending_rows, np.int32), pending_requests)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and draw are enqueued.
+
+    samplers: the requests that draw, in the order of the drawn rows.
+    drawn: the draw (None when no request draws), ids readable on the device at once.
+    reads_output_ids: some sampler's penalties read its earlier output ids, so the
+      next step must wait for this one's ids on the host before it is prepared."""
+
+    num_scheduled: int
+    sample_rows: list[int]
+    samplers: list[Request]
+    drawn: SampledTokens | None
+    reads_output_ids: bool
 
 
 class ModelRunner:
@@ -125,9 +158,9 @@ class ModelRunner:
         self.decode_graphs = ops.decode_graph_runner(max_num_seqs, max_blocks_per_seq, max_model_len)
         self.sampling_batch = SamplingBatch()
 
-    def execute(self, output) -> list[SampledToken | None]:
-        """Run one step of a SchedulerOutput; result i belongs to output.scheduled[i]
-        (None: a prompt chunk that produced no token).
+    def launch(self, output, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue one step of a SchedulerOutput. `previous`: the step in flight, whose
+        drawn ids this step's placeholders take.
 
         On CUDA, raises GraphCaptureError when this step's decode graph failed to
         capture (the step yields no tokens; its batch size runs eagerly from now on),
@@ -140,26 +173,56 @@ class ModelRunner:
             inputs = prepare_inputs(scheduled, self.block_table, self.block_size)
             samplers = [scheduled[i].request for i in inputs.sample_rows]
             sampling = self.sampling_batch.tensors(samplers) if samplers else None
+            fill = self._drawn_token_fill(inputs, previous)
         with nvtx_range("forward"):
-            logits = self._forward(inputs)
-        results: list[SampledToken | None] = [None] * len(scheduled)
-        if logits is None:
+            logits = self._forward(inputs, fill)
+        drawn = None
+        if logits is not None:
+            with nvtx_range("sample"):
+                drawn = self.ops.sample_async(logits, sampling)
+        return LaunchedStep(len(scheduled), inputs.sample_rows, samplers, drawn,
+                            self.sampling_batch.reads_output_ids)
+
+    def collect(self, step: LaunchedStep) -> list[SampledToken | None]:
+        """Wait for a launched step's draw; result i belongs to output.scheduled[i]
+        (None: a prompt chunk that produced no token)."""
+        results: list[SampledToken | None] = [None] * step.num_scheduled
+        if step.drawn is None:
             return results
-        with nvtx_range("sample"):
-            sampled = self.ops.sample(logits, sampling)
+        self.ops.bind_thread()
+        sampled = step.drawn.result()
         token_ids = sampled.token_ids.tolist()
-        for j, row in enumerate(inputs.sample_rows):
-            logprob = None if sampled.logprobs is None else _token_logprob(sampled, j, samplers[j])
+        for j, row in enumerate(step.sample_rows):
+            logprob = None if sampled.logprobs is None else _token_logprob(sampled, j, step.samplers[j])
             results[row] = (token_ids[j], logprob)
         return results
 
-    def _forward(self, inputs: StepInputs):
+    def execute(self, output) -> list[SampledToken | None]:
+        """Launch and collect one step, with nothing in flight."""
+        return self.collect(self.launch(output))
+
+    def _drawn_token_fill(self, inputs: StepInputs, previous: LaunchedStep | None):
+        """A function writing the placeholders' ids (drawn by `previous`) into the
+        step's device token ids, or None when the step has no placeholder."""
+        if not inputs.pending_requests:
+            return None
+        if previous is None or previous.drawn is None:
+            raise RuntimeError("a step has placeholder tokens but no step in flight draws them")
+        row_of = {request: j for j, request in enumerate(previous.samplers)}
+        drawn_rows = np.array([row_of[request] for request in inputs.pending_requests], np.int32)
+        drawn = previous.drawn.token_ids
+        return lambda token_ids: self.ops.copy_drawn_tokens_(token_ids, inputs.pending_rows, drawn, drawn_rows)
+
+    def _forward(self, inputs: StepInputs, fill):
         """Logits [len(sample_rows), V] float32, or None when no sequence samples."""
         if self.decode_graphs is not None and inputs.is_decode:
-            return self.decode_graphs.run(self.decode_forward, inputs.token_ids, inputs.positions, inputs.attn)
+            return self.decode_graphs.run(self.decode_forward, inputs.token_ids, inputs.positions, inputs.attn, fill)
         ops = self.ops
         attn = ops.prepare_attention(inputs.attn)
-        hidden = self.model.forward(ops.upload(inputs.token_ids), ops.upload(inputs.positions), attn, self.kv_caches)
+        token_ids = ops.upload(inputs.token_ids)
+        if fill is not None:
+            fill(token_ids)
+        hidden = self.model.forward(token_ids, ops.upload(inputs.positions), attn, self.kv_caches)
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden, ops.upload(inputs.logits_indices))
@@ -168,6 +231,12 @@ class ModelRunner:
         """A decode step on device inputs (DecodeInputs), the work a decode graph captures."""
         hidden = self.model.forward(inputs.token_ids, inputs.positions, inputs.attn, self.kv_caches)
         return self.model.compute_logits(hidden, inputs.logits_indices)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graph of every batch-size bucket now (no-op without graphs)."""
+        if self.decode_graphs is not None:
+            self.ops.bind_thread()
+            self.decode_graphs.capture_all(self.decode_forward)
 
     def close(self) -> None:
         """Destroy the decode graphs (their memory pool goes with them)."""

@@ -33,8 +33,11 @@ _FINISHED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LEN
 class Request:
     """One sequence being generated (a request with n > 1 becomes n of these).
 
-    Tokens are `prompt_token_ids + output_token_ids`; the first
-    `num_computed_tokens` of them have K/V in the cache.
+    Tokens are `prompt_token_ids + output_token_ids`, then
+    `num_output_placeholders` tokens that a step in flight is drawing and whose ids
+    the host does not know yet (the next step reads them on the device). The first
+    `num_computed_tokens` of all these have K/V in the cache, or will once the
+    steps already enqueued have run.
     `seed` is the resolved Philox key (the user's seed, or a random one).
     `block_hashes` are the chained prefix-cache hashes of its full blocks, kept
     across preemption so a resumed request finds its own blocks again.
@@ -49,6 +52,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -71,6 +75,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """num_tokens plus the placeholders: the length once the steps in flight land."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

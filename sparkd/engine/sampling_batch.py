@@ -5,6 +5,12 @@ decode batch is most often the same requests as the step before, so `SamplingBat
 keeps the parameter rows of the last batch and rebuilds per step only what moves:
 the Philox steps, and the token-id rows of the requests whose penalties or
 min_tokens read them.
+
+A request's draw count includes its placeholders (async scheduling): when a
+step is prepared, the request's own placeholder for this step is the last one,
+so `num_output_tokens + num_output_placeholders - 1` tokens were drawn before.
+Penalties read the drawn ids themselves: the engine never prepares a step for
+such a request while one of its ids is still in flight (`reads_output_ids`).
 """
 
 from __future__ import annotations
@@ -53,6 +59,11 @@ class SamplingBatch:
         self._requests: list[Request] = []
         self._fixed: _FixedRows | None = None
 
+    @property
+    def reads_output_ids(self) -> bool:
+        """Some request of the last batch has a penalty that reads its output ids."""
+        return self._fixed is not None and self._fixed.needs_output is not None
+
     def tensors(self, requests: Sequence[Request]) -> SamplingTensors:
         """One row per request, in order (the order of the logits rows)."""
         # Requests compare by identity, so this is one pass over two lists of pointers.
@@ -81,7 +92,7 @@ class SamplingBatch:
             output_token_ids=output_token_ids,
             banned_token_ids=banned,
             seeds=fixed.seeds,
-            steps=np.array([len(r.output_token_ids) for r in requests], dtype=np.int64),
+            steps=np.array([num_drawn_before(r) for r in requests], dtype=np.int64),
             num_logprobs=fixed.num_logprobs,
         )
 
@@ -94,10 +105,15 @@ def build_sampling_tensors(requests: Sequence[Request]) -> SamplingTensors:
 def banned_token_ids(request: Request) -> list[int]:
     """Ids that must not be drawn yet: the stop tokens, while min_tokens is not reached."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    if num_drawn_before(request) >= params.min_tokens:
         return []
     eos = [] if params.ignore_eos else sorted(request.eos_token_ids)
     return eos + params.stop_token_ids
+
+
+def num_drawn_before(request: Request) -> int:
+    """Tokens the request drew before the draw of the step being prepared."""
+    return len(request.output_token_ids) + request.num_output_placeholders - 1
 
 
 def pad_token_rows(rows: Iterable[Sequence[int]]) -> np.ndarray:

@@ -1,9 +1,18 @@
 """Continuous batching in the vLLM v1 style: no prefill or decode phases.
 
-Every request has `num_tokens` (prompt + output) of which `num_computed_tokens`
-have K/V in the cache. Each step gives every scheduled request as many of its
-missing tokens as fit in the token budget, so a decode is 1 token, a prompt is
-a chunk, and one step mixes both. Running requests go first, then waiting ones
+Every request has `num_scheduled_tokens` (prompt + output + placeholders) of
+which `num_computed_tokens` have K/V in the cache or in a step already enqueued.
+Each step gives every scheduled request as many of its missing tokens as fit in
+the token budget, so a decode is 1 token, a prompt is a chunk, and one step
+mixes both.
+
+`schedule()` counts the step's tokens as computed at once, and a request whose
+chunk reaches its end gets a placeholder for the token the step will draw. So
+the next step can be scheduled before this one's tokens are known (async
+scheduling: the runner reads the placeholder's id on the device); `update()`
+swaps the placeholder for the drawn token. A request that then stops has run
+one wasted token in the step already scheduled: harmless, its blocks are freed
+only after that step on the same stream. Running requests go first, then waiting ones
 (minus their prefix-cache hit). When blocks run out, the most recently arrived
 running request is preempted: its blocks are freed and it is recomputed later.
 """
@@ -21,12 +30,15 @@ from .request import Request, RequestStatus
 
 @dataclass(slots=True)
 class ScheduledSequence:
-    """One request's share of a step: tokens [request.num_computed_tokens,
-    + num_new_tokens) are computed. block_ids is its whole (live) block table."""
+    """One request's share of a step: tokens [start, start + num_new_tokens) are
+    computed. block_ids is its whole (live) block table. draws: the chunk reaches
+    the end of the request, so the step draws its next token."""
 
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    start: int
+    draws: bool
 
 
 @dataclass(slots=True)
@@ -43,9 +55,9 @@ def _arrival_time(request: Request) -> float:
 class Scheduler:
     """Picks each step's batch and applies its sampled tokens.
 
-    Call order per step: `schedule()`, the forward on its output, then
-    `update()` with that output before the next `schedule()`. The runner reads
-    `request.num_computed_tokens` (the first new position) before `update()`.
+    Call order: `schedule()`, then the forward on its output, then `update()` with
+    that output and its sampled tokens. At most one step may be between schedule()
+    and update() when the next schedule() runs (async scheduling).
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -125,7 +137,10 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_scheduled_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._stops_by_length(request):
+                i += 1  # its placeholder ends it: no token to compute
+                continue
             block_ids = kv.allocate_slots(request, num_new)
             while block_ids is None:
                 # The victim is always at index >= i (running is in arrival order),
@@ -138,7 +153,7 @@ class Scheduler:
                 block_ids = kv.allocate_slots(request, num_new)
             if block_ids is None:
                 break
-            scheduled.append(ScheduledSequence(request, num_new, block_ids))
+            scheduled.append(self._schedule(request, num_new, block_ids))
             budget -= num_new
             i += 1
         # As in vLLM: a step that had to preempt admits nobody new.
@@ -155,8 +170,9 @@ class Scheduler:
             leader = self._group_leaders.get(request.group_id) if request.group_id is not None else None
             if leader is request:
                 leader = None
-            if leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens:
-                # Wait for the first sibling's prompt, then share its blocks.
+            if request.num_output_placeholders or (leader is not None and not leader.output_token_ids):
+                # Wait for the token a step in flight draws for it (it was preempted meanwhile),
+                # or for the first sibling's prompt, whose blocks it then shares.
                 skipped.append(request)
                 continue
             computed_block_ids, num_computed = self.kv.get_computed_blocks(request, share_from=leader)
@@ -170,10 +186,28 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_arrival_time)
-            scheduled.append(ScheduledSequence(request, num_new, block_ids))
+            scheduled.append(self._schedule(request, num_new, block_ids))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return budget
+
+    @staticmethod
+    def _schedule(request: Request, num_new: int, block_ids: list[int]) -> ScheduledSequence:
+        """Count the tokens as computed; a chunk that reaches the end draws a token."""
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        draws = request.num_computed_tokens == request.num_scheduled_tokens
+        if draws:
+            request.num_output_placeholders += 1
+        return ScheduledSequence(request, num_new, block_ids, start, draws)
+
+    def _stops_by_length(self, request: Request) -> bool:
+        """Its tokens in flight reach max_tokens or the longest sequence: it ends when they land."""
+        if not request.num_output_placeholders:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens + request.num_output_placeholders >= max_tokens)
+                or request.num_scheduled_tokens >= self._max_sequence_len)
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: free its blocks and put it at the front of the queue."""
@@ -186,36 +220,39 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput,
                sampled: list[tuple[int, TokenLogprob | None] | None]) -> list[Request]:
-        """Apply a step: advance computed tokens, publish full blocks, append the sampled
-        tokens and check stops. sampled[i] belongs to output.scheduled[i] and is None for
-        a prompt chunk that did not reach the end. Returns the requests that got a token
-        (finished ones included); those finished here have freed their blocks."""
+        """Apply a step: swap placeholders for the sampled tokens, publish full blocks and
+        check stops. sampled[i] belongs to output.scheduled[i] and is None for a prompt
+        chunk that did not reach the end. Returns the requests that got a token (finished
+        ones included); those finished here have freed their blocks. A request preempted
+        since schedule() still gets its token."""
         if len(sampled) != len(output.scheduled):
             raise ValueError(f"sampled has {len(sampled)} entries for "
                              f"{len(output.scheduled)} scheduled sequences")
         updated = []
         num_finished = 0
         kv = self.kv
-        block_size = kv.block_size
         running_status = RequestStatus.RUNNING
         for seq, sample in zip(output.scheduled, sampled):
             request = seq.request
-            if request.status is not running_status:
-                continue  # finished (aborted) since schedule()
-            num_computed = request.num_computed_tokens
-            request.num_computed_tokens = num_computed + seq.num_new_tokens
-            if request.num_computed_tokens // block_size > num_computed // block_size:
-                kv.cache_full_blocks(request)  # only a block that just filled up can be new to the cache
+            if request.status.finished:
+                continue  # aborted since schedule()
+            if sample is not None:
+                token_id, logprob = sample
+                request.num_output_placeholders -= 1
+                request.output_token_ids.append(token_id)
+                if logprob is not None:
+                    request.output_logprobs.append(logprob)
+            if request.status is running_status:
+                kv.cache_full_blocks(request)
             if sample is None:
                 continue
-            token_id, logprob = sample
-            request.output_token_ids.append(token_id)
-            if logprob is not None:
-                request.output_logprobs.append(logprob)
             status = self._stop_status(request, token_id)
             if status is not None:
+                if request.status is running_status:
+                    num_finished += 1
+                else:
+                    self.waiting.remove(request)
                 self._finish(request, status)
-                num_finished += 1
             updated.append(request)
         if num_finished:
             self.running = [r for r in self.running if r.status is running_status]
@@ -273,7 +310,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 problems.append(f"running request {request.request_id!r} has status {request.status}")
             min_blocks = -(-request.num_computed_tokens // block_size)
-            max_blocks = -(-request.num_tokens // block_size)
+            max_blocks = -(-request.num_scheduled_tokens // block_size)
             if not min_blocks <= len(table) <= max_blocks:
                 problems.append(f"request {request.request_id!r} holds {len(table)} blocks for "
                                 f"{request.num_computed_tokens}/{request.num_tokens} computed tokens")

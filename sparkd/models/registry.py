@@ -5,7 +5,7 @@ Supporting a new architecture is one entry in `_MODEL_CLASSES`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,8 @@ import numpy as np
 from ..backend.base import Ops
 from .config import ModelConfig, architecture_of, read_hf_configs
 from .dense import DenseForCausalLM
-from .safetensors_reader import iter_checkpoint
+from .load_progress import LoadProgress
+from .safetensors_reader import iter_checkpoint, stored_nbytes
 
 _MODEL_CLASSES: dict[str, type] = {
     "LlamaForCausalLM": DenseForCausalLM,
@@ -43,14 +44,18 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_hf(hf_config, generation_config)
 
 
-def load_model(model_dir: str | Path, ops: Ops) -> Any:
+def load_model(model_dir: str | Path, ops: Ops, report: Callable[[str], None] | None = None) -> Any:
     """Build the model for `model_dir`, uploading its weights through `ops` in `ops.dtype`.
 
     Weights stream from the mapped files one tensor at a time and are uploaded at once;
-    the host keeps only packed modules still waiting for a part (see `pack_weights`)."""
+    the host keeps only packed modules still waiting for a part (see `pack_weights`).
+    A progress bar shows on a terminal; `report` gets progress lines."""
     config = load_model_config(model_dir)
     model_class = model_class_for(config.architecture)
-    checkpoint = ((n, a) for n, a in iter_checkpoint(model_dir) if not n.endswith(_IGNORED_WEIGHT_SUFFIXES))
+    sizes = stored_nbytes(model_dir)
+    progress = LoadProgress(sum(sizes.values()), report)
+    stored = progress.track(iter_checkpoint(model_dir), nbytes_of=sizes.__getitem__)
+    checkpoint = ((n, a) for n, a in stored if not n.endswith(_IGNORED_WEIGHT_SUFFIXES))
     weights = {name: ops.upload(array, ops.dtype) for name, array in pack_weights(checkpoint, model_class.packed_modules)}
     model = model_class(config, ops, weights)
     if weights:

@@ -51,6 +51,12 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
         yield from iter_file(path)
 
 
+def stored_nbytes(model_dir: str | Path) -> dict[str, int]:
+    """Tensor name -> bytes its data takes in the checkpoint's files."""
+    return {name: info["data_offsets"][1] - info["data_offsets"][0]
+            for path in checkpoint_files(model_dir) for name, info in read_header(path)[0].items()}
+
+
 def iter_file(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     header, data_start = read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")

@@ -57,6 +57,12 @@ def captured_buckets(engine) -> list[int]:
     return [size for size, slot in graphs._slots.items() if slot.graph is not None]
 
 
+def replayed_buckets(engine) -> list[int]:
+    """Batch sizes whose decode graph served a step."""
+    graphs = engine.runner.decode_graphs
+    return [size for size, slot in graphs._slots.items() if slot.num_replays]
+
+
 def assert_no_leaks(llm: LLM) -> None:
     scheduler = llm.engine.scheduler
     assert not scheduler.has_unfinished_requests()
@@ -68,7 +74,9 @@ def test_fp32_greedy_matches_cpu_with_chunking_prefix_hits_and_graphs(checkpoint
     path, prompts, expected = checkpoint
     llm = cuda_llm(path)
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
-    assert captured_buckets(llm.engine), "no decode step was replayed from a CUDA graph"
+    graphs = llm.engine.runner.decode_graphs
+    assert captured_buckets(llm.engine) == graphs.buckets  # all at start-up
+    assert replayed_buckets(llm.engine), "no decode step was replayed from a CUDA graph"
     assert_no_leaks(llm)
     # The shared 37-token prefix is cached now: 2 full blocks of 16 must hit.
     again = llm.generate([prompts[3]], GREEDY)[0]
@@ -191,7 +199,8 @@ def test_injected_capture_failure_fails_one_request_and_the_next_10_succeed(chec
     from sparkd.engine.async_engine import AsyncEngine
 
     path, prompts, expected = checkpoint
-    engine = AsyncEngine.from_args(EngineArgs(model=str(path), device="cuda", dtype="float32", **ENGINE_ARGS))
+    engine = AsyncEngine.from_args(EngineArgs(model=str(path), device="cuda", dtype="float32",
+                                              capture_graphs_at_startup=False, **ENGINE_ARGS))
 
     async def scenario():
         await engine.start()
@@ -228,10 +237,10 @@ def test_a_sticky_device_error_kills_the_engine(checkpoint, monkeypatch):
     path, prompts, _ = checkpoint
     engine = AsyncEngine.from_args(EngineArgs(model=str(path), device="cuda", dtype="float32", **ENGINE_ARGS))
 
-    def lose_the_device(output):
+    def lose_the_device(output, previous):
         raise error_from_status(driver.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, "launch of a kernel")
 
-    monkeypatch.setattr(engine.core.runner, "execute", lose_the_device)
+    monkeypatch.setattr(engine.core.runner, "launch", lose_the_device)
 
     async def scenario():
         await engine.start()
@@ -247,3 +256,43 @@ def test_a_sticky_device_error_kills_the_engine(checkpoint, monkeypatch):
 
     reason = asyncio.run(scenario())
     assert engine.is_dead and "CUDA_ERROR_ILLEGAL_ADDRESS" in reason
+
+
+def test_pipelined_engine_matches_cpu_under_preemption(checkpoint):
+    """AsyncEngine launches step N+1 before N's ids reach the host: the placeholders'
+    ids are copied on the device, inside graph replays and eager steps alike."""
+    from sparkd.engine.args import EngineArgs
+    from sparkd.engine.async_engine import AsyncEngine
+
+    path, prompts, expected = checkpoint
+    engine = AsyncEngine.from_args(EngineArgs(model=str(path), device="cuda", dtype="float32",
+                                              num_gpu_blocks_override=14, **ENGINE_ARGS))
+    behind = []
+    launch = engine.core.launch
+    engine.core.launch = lambda output, previous: (behind.append(previous is not None), launch(output, previous))[1]
+
+    async def scenario():
+        await engine.start()
+        try:
+            return await asyncio.gather(*(collect(engine.add_request(p, GREEDY)) for p in prompts))
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(scenario())
+    assert [outputs[-1].outputs[0].token_ids for outputs in results] == expected
+    assert engine.core.scheduler.num_preemptions_total > 0
+    assert sum(behind) > len(behind) // 2, behind
+    assert replayed_buckets(engine.core)
+
+
+def test_a_capture_failure_at_startup_leaves_those_sizes_eager(checkpoint, monkeypatch):
+    from sparkd.backend.cuda.graphs import FAIL_CAPTURE_ENV
+
+    path, prompts, expected = checkpoint
+    monkeypatch.setenv(FAIL_CAPTURE_ENV, "1")
+    llm = cuda_llm(path)
+    monkeypatch.delenv(FAIL_CAPTURE_ENV)
+    graphs = llm.engine.runner.decode_graphs
+    assert all(slot.eager_only for slot in graphs._slots.values()) and not captured_buckets(llm.engine)
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
+    assert_no_leaks(llm)

@@ -40,10 +40,16 @@ def sampling_tensors(rng, rows: int, **fields) -> SamplingTensors:
     return SamplingTensors(**(params | fields))
 
 
+def sample_on_device(gpu, logits, params: SamplingTensors):
+    from sparkd.backend.cuda.transfer import DownloadRing
+
+    return sampling.sample_async(logits, params, gpu.staging, DownloadRing(), gpu.allocator, gpu.stream).result()
+
+
 def sample_both(gpu, logits: np.ndarray, params: SamplingTensors):
     """(device SamplerOutput, reference SamplerOutput); also checks the raw logits stay untouched."""
     device_logits = gpu.upload(logits)
-    got = sampling.sample(device_logits, params, gpu.staging, gpu.allocator, gpu.stream)
+    got = sample_on_device(gpu, device_logits, params)
     np.testing.assert_array_equal(gpu.download(device_logits), logits)
     return got, reference_sample(logits, params)
 
@@ -157,7 +163,7 @@ def test_top_logprob_ties_prefer_lower_ids(gpu):
     logits = np.round(rng.standard_normal((rows, vocab))).astype(np.float32)
     params = sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32), num_logprobs=k)
     device_logits = gpu.upload(logits)
-    got = sampling.sample(device_logits, params, gpu.staging, gpu.allocator, gpu.stream)
+    got = sample_on_device(gpu, device_logits, params)
     shifted = logits - logits.max(axis=1, keepdims=True)
     logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     np.testing.assert_array_equal(got.top_ids, np.argsort(-logprobs, axis=1, kind="stable")[:, :k])
@@ -167,4 +173,4 @@ def test_rejects_too_many_logprobs(gpu):
     rng = np.random.default_rng(6)
     params = sampling_tensors(rng, 1, num_logprobs=sampling.MAX_TOP_LOGPROBS + 1)
     with pytest.raises(ValueError, match="num_logprobs must be at most"):
-        sampling.sample(gpu.upload(np.zeros((1, 100), np.float32)), params, gpu.staging, gpu.allocator, gpu.stream)
+        sample_on_device(gpu, gpu.upload(np.zeros((1, 100), np.float32)), params)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..base import AttentionMetadata, RopeConfig, SamplerOutput, SamplingTensors
+from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from .sampler import sample
 
@@ -109,6 +109,14 @@ class NumpyOps:
 
     def sample(self, logits: np.ndarray, params: SamplingTensors) -> SamplerOutput:
         return sample(logits, params)
+
+    def sample_async(self, logits: np.ndarray, params: SamplingTensors) -> SampledTokens:
+        out = sample(logits, params)
+        return SampledTokens(out.token_ids.astype(np.int32), lambda: out)
+
+    def copy_drawn_tokens_(self, token_ids: np.ndarray, rows: np.ndarray, drawn: np.ndarray,
+                           drawn_rows: np.ndarray) -> None:
+        token_ids[rows] = drawn[drawn_rows]
 
 
 def _rope_cos_sin(positions: np.ndarray, rope: RopeConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -7,10 +7,11 @@ one; in the other only the step's B x W part of the block table, a pitched copy
 into the first columns of the region's [bucket, max_blocks] table. So a step
 moves B x W block ids, not bucket x max_model_len / block_size (8 MB at 256
 sequences of 128k tokens). The constants (query_start_loc, logits_indices) are
-written once. The first step of a bucket runs the forward once eagerly (loading
-kernels, planning GEMMs, sizing the rope table) and then captures it. If
-capturing fails, the bucket runs eagerly from then on and that step raises
-GraphCaptureError.
+written once. Capturing a bucket runs the forward once eagerly first (loading
+kernels, planning GEMMs, sizing the rope table). The engine captures every
+bucket at start-up (`capture_all`, on padding rows); a bucket still without a
+graph captures at its first step. If capturing fails, the bucket runs eagerly
+from then on, and a step that was capturing raises GraphCaptureError.
 
 Padding rows are harmless: token 0 at position 0, a negative slot (the KV write
 skips it), a context of 1, logits that nobody samples. Block-table entries a step
@@ -42,6 +43,10 @@ _INT32 = DType.int32.itemsize
 # Padding rows of token_ids, positions, seq_lens, slot_mapping: token 0 at position 0
 # with a context of 1, and no KV write.
 _PADDING = (0, 0, 1, -1)
+_NO_IDS = np.zeros(0, np.int32)
+_NO_SEQUENCES = AttentionMetadata(query_start_loc=np.zeros(1, np.int32), seq_lens=_NO_IDS,
+                                  block_tables=np.zeros((0, 1), np.int32), slot_mapping=_NO_IDS,
+                                  max_query_len=1, max_seq_len=1)
 
 
 @dataclass
@@ -142,22 +147,44 @@ class DecodeGraphRunner:
         self._outputs: dict[int, DeviceTensor] = {}
 
     def run(self, forward: DecodeForward, token_ids: np.ndarray, positions: np.ndarray,
-            meta: AttentionMetadata) -> DeviceTensor:
+            meta: AttentionMetadata, fill: Callable[[DeviceTensor], None] | None = None) -> DeviceTensor:
         """Logits [B, V] of one decode step (one new token per sequence).
 
+        fill: writes the ids an earlier step drew on the device into the step's
+        device token_ids [>= B] int32, after the upload and before the forward.
         Raises GraphCaptureError when this step's bucket failed to capture."""
         if not meta.is_decode_only:
             raise ValueError("DecodeGraphRunner runs decode-only steps; run mixed steps eagerly")
         batch = len(token_ids)
         slot = self._slots.get(bucket_for(batch, self.buckets))
         if slot is None or slot.eager_only:
-            return forward(self._eager_inputs(token_ids, positions, meta))
+            inputs = self._eager_inputs(token_ids, positions, meta)
+            if fill is not None:
+                fill(inputs.token_ids)
+            return forward(inputs)
         static = self._static_inputs(slot.size)
         self._upload_step(static, token_ids, positions, meta)
+        if fill is not None:
+            fill(static.inputs.token_ids)
         if slot.graph is None:
             self._capture(slot, forward, static.inputs)
         slot.graph.replay(self.ops.stream)
+        slot.num_replays += 1
         return self._outputs[slot.size].narrow(0, batch)
+
+    def capture_all(self, forward: DecodeForward) -> None:
+        """Capture every bucket not captured yet, each on a batch of padding rows.
+        A bucket that fails to capture is left eager (logged); nothing raises."""
+        for size in self.buckets:
+            slot = self._slots[size]
+            if slot.graph is not None or slot.eager_only:
+                continue
+            static = self._static_inputs(size)
+            self._upload_step(static, _NO_IDS, _NO_IDS, _NO_SEQUENCES)  # padding rows only
+            try:
+                self._capture(slot, forward, static.inputs)
+            except GraphCaptureError:
+                pass  # logged by _capture; the bucket runs eagerly
 
     def _upload_step(self, static: _StaticInputs, token_ids: np.ndarray, positions: np.ndarray,
                      meta: AttentionMetadata) -> None:

@@ -115,3 +115,4 @@ class GraphSlot:
     size: int
     graph: CudaGraph | None = None
     eager_only: bool = False
+    num_replays: int = 0

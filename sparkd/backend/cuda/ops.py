@@ -1,7 +1,7 @@
 """`CudaOps`: the `Ops` interface on an NVIDIA GPU, through NVRTC kernels and cuBLASLt.
 
-Every op enqueues on one stream and returns at once; only `download` and `sample`
-wait for the device. Outputs come from the caching allocator, so a step's
+Every op enqueues on one stream and returns at once; only `download`, `sample`
+and the result of `sample_async` wait for the device. Outputs come from the caching allocator, so a step's
 intermediates recycle the previous step's blocks.
 
 One deviation from the functional rule of `Ops`: `add_rmsnorm` updates `residual`
@@ -17,16 +17,16 @@ from typing import Sequence
 import numpy as np
 from cuda.bindings import driver
 
-from ..base import AttentionMetadata, RopeConfig, SamplerOutput, SamplingTensors
+from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
 from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
-from .kernels import activation, attention, elementwise, embedding, norm, rope_kv, sampling
+from .kernels import activation, attention, elementwise, embedding, fault, norm, rope_kv, sampling
 from .memory import DeviceAllocator, KVCachePlan, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
-from .transfer import StagingRing, copy_device, copy_to_host, decode, encode
+from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
 from .weights import ChunkedUploader
 
 log = logging.getLogger("sparkd.cuda")
@@ -47,9 +47,11 @@ class CudaOps:
         self.stream = Stream()
         self.allocator = DeviceAllocator()
         self.staging = StagingRing(self.allocator, self.stream)
+        self.downloads = DownloadRing()
         self.uploader = ChunkedUploader(self.stream)
         self.gemm = Gemm(self.allocator, self.stream)
         self._rope_tables: dict[tuple, DeviceTensor] = {}
+        self._inject_fault = fault.fault_requested()
         log.info("CUDA backend on %s (%s, %d SMs, %.1f GiB), dtype %s", self.device.name, self.device.arch,
                  self.device.sm_count, self.device.total_memory / 2**30, self.dtype.name)
 
@@ -95,7 +97,6 @@ class CudaOps:
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> list[tuple[DeviceTensor, DeviceTensor]]:
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in self.dtype, zeroed."""
-        self.uploader.progress.finish()  # the weights are in by the time the engine sizes the KV cache
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         return [(self.zeros(shape, self.dtype), self.zeros(shape, self.dtype)) for _ in range(num_layers)]
 
@@ -208,7 +209,19 @@ class CudaOps:
         return out
 
     def sample(self, logits: DeviceTensor, params: SamplingTensors) -> SamplerOutput:
-        return sampling.sample(logits, params, self.staging, self.allocator, self.stream)
+        return self.sample_async(logits, params).result()
+
+    def sample_async(self, logits: DeviceTensor, params: SamplingTensors) -> SampledTokens:
+        if self._inject_fault:
+            self._inject_fault = False
+            log.warning("%s is set: launching a trapping kernel (test-only)", fault.DEVICE_FAULT_ENV)
+            fault.launch_trap(self.stream)
+        return sampling.sample_async(logits, params, self.staging, self.downloads, self.allocator, self.stream)
+
+    def copy_drawn_tokens_(self, token_ids: DeviceTensor, rows: np.ndarray, drawn: DeviceTensor,
+                           drawn_rows: np.ndarray) -> None:
+        pairs = self.upload(np.stack([rows, drawn_rows]).astype(np.int32))
+        embedding.copy_drawn_tokens(token_ids, drawn, pairs, self.stream)
 
     # ---- helpers ----
     def _rope_table(self, rope: RopeConfig, max_seq_len: int) -> DeviceTensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 from cuda.bindings import driver
@@ -129,9 +129,11 @@ class StagingRing:
     (`upload`); or a slot the caller fills and copies from itself (`slot`).
 
     A slot is rewritten only after the event of its previous copies has completed,
-    so the host may run steps ahead of the GPU without corrupting inputs in flight."""
+    so the host may run steps ahead of the GPU without corrupting inputs in flight.
+    A step uses up to about eight slots and two steps may be in flight (async
+    scheduling): 24 slots keep the host from waiting on a slot's event."""
 
-    def __init__(self, allocator: DeviceAllocator, stream: Stream, num_slots: int = 4, slot_bytes: int = 1 << 20):
+    def __init__(self, allocator: DeviceAllocator, stream: Stream, num_slots: int = 24, slot_bytes: int = 1 << 20):
         self.allocator = allocator
         self.stream = stream
         self._slots = [PinnedBuffer(slot_bytes) for _ in range(num_slots)]
@@ -172,3 +174,37 @@ class StagingRing:
         finally:
             self._events[self._next].record(self.stream)
             self._next = (self._next + 1) % len(self._slots)
+
+
+class DownloadRing:
+    """Pinned slots for device results the host reads later (a step's sampled ids).
+
+    `copy_async` enqueues the D2H copy and returns a function that waits for it and
+    returns a private copy of the bytes. A slot is reused `num_slots` copies later;
+    the engine reads each result before enqueuing the step after next, so four
+    slots leave room to spare."""
+
+    def __init__(self, num_slots: int = 4, slot_bytes: int = 64 << 10):
+        self._slots = [PinnedBuffer(slot_bytes) for _ in range(num_slots)]
+        self._events = [Event() for _ in range(num_slots)]
+        self._next = 0
+
+    def copy_async(self, src: DeviceTensor, stream: Stream) -> Callable[[], np.ndarray]:
+        """src: contiguous device tensor -> () -> uint8 host array of its bytes."""
+        if not src.is_contiguous:
+            raise ValueError(f"cannot download the non-contiguous {src}")
+        index = self._next
+        self._next = (index + 1) % len(self._slots)
+        nbytes = src.nbytes
+        if self._slots[index].nbytes < nbytes:
+            self._slots[index] = PinnedBuffer(max(nbytes, 2 * self._slots[index].nbytes))
+        slot, event = self._slots[index], self._events[index]
+        if nbytes:
+            call(driver.cuMemcpyDtoHAsync, slot.ptr, src.ptr, nbytes, stream.handle)
+        event.record(stream)
+
+        def wait() -> np.ndarray:
+            event.synchronize()
+            return slot.array[:nbytes].copy()
+
+        return wait

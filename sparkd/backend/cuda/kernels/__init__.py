@@ -6,7 +6,7 @@ their preconditions, pick the instantiation and grid, and enqueue on a stream.
 Outputs are passed in preallocated, so launches can be captured in CUDA graphs.
 
 Modules: activation, attention, embedding, gemv, norm, rope_kv, sampling
-(plus elementwise, owned by the runtime).
+(plus elementwise, owned by the runtime, and fault, a test-only trap).
 
 This file holds what the launchers share: the element types the kernels are
 templated on and the choice of vector width.

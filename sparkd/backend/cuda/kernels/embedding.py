@@ -1,5 +1,6 @@
-"""Row gathers (cukernels/embedding.cu): the embedding lookup, and the
-last-position hidden rows picked before the final norm and lm_head."""
+"""Row gathers (cukernels/embedding.cu): the embedding lookup, the last-position
+hidden rows picked before the final norm and lm_head, and the input ids an
+earlier step drew on the device."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from . import i32, require, require_contiguous, require_dtype, round_up
 _SOURCE = "embedding.cu"
 # The copy is dtype-blind: bytes per thread access -> the C type moved.
 _WORDS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
-SPECS = [KernelSpec(_SOURCE, f"gather_rows_kernel<{word}>") for word in _WORDS.values()]
+_COPY_DRAWN = KernelSpec(_SOURCE, "copy_drawn_tokens_kernel")
+SPECS = [KernelSpec(_SOURCE, f"gather_rows_kernel<{word}>") for word in _WORDS.values()] + [_COPY_DRAWN]
 _MAX_THREADS = 256
 
 
@@ -41,3 +43,15 @@ def gather_rows(out: DeviceTensor, x: DeviceTensor, indices: DeviceTensor, strea
     kernel = get_kernel(KernelSpec(_SOURCE, f"gather_rows_kernel<{_WORDS[word_bytes]}>"))
     threads = min(_MAX_THREADS, round_up(row_words, 32))
     kernel.launch(indices.shape[0], threads, [out, x, indices, i32(row_words), i32(x.shape[0])], stream=stream)
+
+
+def copy_drawn_tokens(token_ids: DeviceTensor, drawn: DeviceTensor, pairs: DeviceTensor, stream: Stream) -> None:
+    """token_ids[pairs[0, i]] = drawn[pairs[1, i]]: token_ids [T], drawn [B'], pairs [2, P], all int32."""
+    for name, tensor in (("token_ids", token_ids), ("drawn", drawn), ("pairs", pairs)):
+        require_dtype(name, tensor, DType.int32)
+        require_contiguous(name, tensor)
+    require(pairs.ndim == 2 and pairs.shape[0] == 2, f"pairs must be [2, P], got shape {pairs.shape}")
+    num_pairs = pairs.shape[1]
+    if num_pairs:
+        get_kernel(_COPY_DRAWN).launch(-(-num_pairs // _MAX_THREADS), _MAX_THREADS,
+                                       [token_ids, drawn, pairs, i32(num_pairs)], stream=stream)

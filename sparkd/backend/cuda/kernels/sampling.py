@@ -3,9 +3,10 @@ sparkd/backend/cpu/sampler.py: same processing order, same Philox draws, so the
 chosen ids agree whenever no two candidates tie to within float rounding.
 
 For CudaOps:
-  sample(logits, params, staging, allocator, stream) -> SamplerOutput
+  sample_async(logits, params, staging, downloads, allocator, stream) -> SampledTokens
       the whole step: one H2D copy of the parameters, one kernel launch, one
-      D2H copy of the ids (and logprobs when params.num_logprobs >= 0).
+      D2H copy of the ids (and logprobs when params.num_logprobs >= 0) that the
+      caller waits for when it wants the results.
 The pieces, for callers that keep inputs in static buffers (graphs):
   upload_inputs(params, staging, dest=None) -> SamplingInputs
   SamplerBuffers.allocate(allocator, num_rows, num_top)
@@ -18,13 +19,13 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from ...base import SamplerOutput, SamplingTensors
+from ...base import SampledTokens, SamplerOutput, SamplingTensors
 from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
 from ..memory import DeviceAllocator
 from ..tensor import DeviceTensor
-from ..transfer import StagingRing, copy_to_host
+from ..transfer import DownloadRing, StagingRing
 from . import i32, require, require_contiguous, require_dtype
 
 SPECS = [KernelSpec("sampling.cu", "sample_kernel")]
@@ -116,10 +117,14 @@ class SamplerBuffers:
         views += [views[0]] * (5 - len(views))  # unused outputs; the kernel never touches them
         return cls(storage, *views, num_top=num_top)
 
-    def download(self, stream: Stream) -> SamplerOutput:
-        """Waits for the stream; ids come back as int64 as the CPU sampler returns them."""
-        host = np.empty(self.storage.shape, np.int32)
-        copy_to_host(host, self.storage, stream)
+    def download_async(self, downloads: DownloadRing, stream: Stream) -> SampledTokens:
+        """Enqueue the D2H copy; `.result()` waits for it. Ids come back as int64, as the
+        CPU sampler returns them."""
+        wait = downloads.copy_async(self.storage, stream)
+        return SampledTokens(self.token_ids, lambda: self._parse(wait().view(np.int32)))
+
+    def _parse(self, host: np.ndarray) -> SamplerOutput:
+        """host: the storage's int32 words."""
         num_rows = self.token_ids.shape[0]
         token_ids = host[:num_rows].astype(np.int64)
         if self.num_top < 0:
@@ -176,12 +181,12 @@ def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInp
     kernel.launch(num_rows, _THREADS, args, stream=stream)
 
 
-def sample(logits: DeviceTensor, params: SamplingTensors, staging: StagingRing, allocator: DeviceAllocator,
-           stream: Stream) -> SamplerOutput:
-    """`Ops.sample` on the device: logits [B, V] float32 -> SamplerOutput (waits for the stream)."""
+def sample_async(logits: DeviceTensor, params: SamplingTensors, staging: StagingRing, downloads: DownloadRing,
+                 allocator: DeviceAllocator, stream: Stream) -> SampledTokens:
+    """`Ops.sample_async` on the device: logits [B, V] float32 -> SampledTokens, at once."""
     inputs = upload_inputs(params, staging)
     num_rows, vocab_size = logits.shape
     out = SamplerBuffers.allocate(allocator, num_rows, num_top_logprobs(params.num_logprobs, vocab_size))
     workspace = allocator.empty(logits.shape, DType.float32) if inputs.needs_workspace else None
     launch_sample(out, logits, inputs, workspace, stream)
-    return out.download(stream)
+    return out.download_async(downloads, stream)
