@@ -12,20 +12,6 @@ namespace sparkd {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Programmatic dependent launch (sm_90+). The host launches every kernel with
-// programmatic stream serialization, so a kernel may start while the one before
-// it on the stream is still finishing. Each kernel therefore calls this first,
-// before touching global memory: it waits until the previous grid has completed
-// and its writes are visible, then lets the next grid start launching. What
-// overlaps is the launch latency and block scheduling between kernels, never
-// memory traffic, so the stream keeps its usual ordering. No-op below sm_90.
-__device__ __forceinline__ void begin_dependent_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // +inf (NVRTC has no <cmath> INFINITY).
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 

@@ -63,7 +63,6 @@ template <typename T, typename OutT, int kM>
 __global__ void __launch_bounds__(32 * kGemvMaxWarps)
     gemv_kernel(OutT* __restrict__ out, const T* __restrict__ x, const T* __restrict__ w,
                 const OutT* __restrict__ bias, int M, int N, int K, long long ld_x, long long ld_out) {
-  sparkd::begin_dependent_grid();
   using C = Chunk<T>;
   // With many x rows the accumulators need the registers: fewer loads per pass.
   constexpr int kUnroll = (kM >= 8 ? kGemvLoads / 2 : kGemvLoads) / kGemvRows;
