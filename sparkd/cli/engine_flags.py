@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from ..engine.args import EngineArgs
 
@@ -36,12 +37,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="seed for requests that bring none (default: %(default)s)")
 
 
-def load_engine(ns: argparse.Namespace, served_model_name: str | None = None):
-    """The AsyncEngine the flags describe; a bad flag or model directory exits with its message."""
+def load_engine(ns: argparse.Namespace, served_model_name: str | None = None,
+                progress: Callable[[str], None] | None = None):
+    """The AsyncEngine the flags describe; a bad flag or model directory exits with its message.
+    progress: gets one-line status messages while the model loads and warms up."""
     from ..engine.async_engine import AsyncEngine
 
     try:
-        return AsyncEngine.from_args(engine_args_from(ns, served_model_name))
+        return AsyncEngine.from_args(engine_args_from(ns, served_model_name), progress)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"sparkd: error: {exc}") from None
 
