@@ -41,6 +41,8 @@ CASES = [
     ("negative max_tokens", "POST", COMPLETIONS, body(prompt="x", max_tokens=-1), 400, "max_tokens", "max_tokens"),
     ("top_p over 1", "POST", CHAT, body(messages=MSGS, top_p=5), 400, "top_p", "top_p"),
     ("too many logprobs", "POST", COMPLETIONS, body(prompt="x", logprobs=100), 400, "logprobs", "logprobs"),
+    ("stop id outside the vocabulary", "POST", COMPLETIONS,
+     body(prompt="x", min_tokens=1, max_tokens=2, stop_token_ids=[100000]), 400, "stop_token_ids", "vocabulary"),
     ("top_logprobs without logprobs", "POST", CHAT, body(messages=MSGS, top_logprobs=3), 400, "top_logprobs", ""),
     ("seed over 64 bits", "POST", COMPLETIONS, body(prompt="x", seed=2**80), 400, "seed", ""),
     ("huge temperature", "POST", COMPLETIONS, b'{"prompt": "x", "temperature": 1e400}', 400, "temperature", ""),

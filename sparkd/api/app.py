@@ -8,12 +8,14 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from . import routes
+from . import openapi, routes
 from .auth import APIKeyMiddleware
 from .errors import APIError, server_error
+from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .state import ServerState
 from .websocket import websocket_endpoint
@@ -21,11 +23,14 @@ from .websocket import websocket_endpoint
 log = logging.getLogger("sparkd.api")
 
 
-def build_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None) -> Starlette:
+def build_app(engine, served_model_names: list[str] | None = None, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> Starlette:
     """engine: an AsyncEngine, started and shut down with the app.
-    served_model_names: the names requests may use; the first is echoed when a request names none."""
+    served_model_names: the names requests may use; the first is echoed when a request names none.
+    limits: admission limits (None: the defaults). `app.state.sparkd` is the ServerState;
+    set its `draining` to refuse new work while a shutdown lets running requests finish."""
     names = list(served_model_names or [engine.model_name])
-    state = ServerState(engine, names, ServerMetrics(engine, names[0]))
+    state = ServerState(engine, names, ServerMetrics(engine, names[0]), limits or ServerLimits())
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -44,9 +49,11 @@ def build_app(engine, served_model_names: list[str] | None = None, api_key: str 
             Route("/health", routes.health, methods=["GET"]),
             Route("/version", routes.version, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/openapi.json", openapi.openapi_endpoint, methods=["GET"]),
         ],
         middleware=[Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else [],
-        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected_error},
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
+                            Exception: _unexpected_error},
         lifespan=lifespan,
     )
     app.state.sparkd = state
@@ -55,6 +62,11 @@ def build_app(engine, served_model_names: list[str] | None = None, api_key: str 
 
 async def _api_error(request: Request, exc: APIError):
     return exc.response()
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect):
+    """The client left while sending its body: nobody reads the answer, and it is no error of ours."""
+    return Response(status_code=499)
 
 
 async def _http_error(request: Request, exc: HTTPException):

@@ -3,12 +3,19 @@
 /health, /version and /metrics stay open, as in vLLM, so probes and scrapers
 need no secret. Browsers cannot set headers on a WebSocket, so /v1/ws also
 takes the key as the `api_key` query parameter.
+
+The offered key and the real one are compared as SHA-256 digests: both sides
+then have the same length, so the comparison's time says nothing about the
+key, not even its length. The `api_key` query parameter is cut from the
+request's query string as soon as it is read: uvicorn logs paths with their
+query strings, and no log line may hold the key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl, urlencode
 
 from .errors import APIError
 
@@ -16,7 +23,7 @@ from .errors import APIError
 class APIKeyMiddleware:
     def __init__(self, app, api_key: str):
         self.app = app
-        self.api_key = api_key.encode()
+        self.key_digest = _digest(api_key.encode())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket") or not scope["path"].startswith("/v1") or self._authorized(scope):
@@ -34,7 +41,22 @@ class APIKeyMiddleware:
         for name, value in scope["headers"]:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
                 offered = value[7:].strip()
-        if not offered and scope["type"] == "websocket":
-            keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [])
-            offered = keys[0].encode() if keys else b""
-        return hmac.compare_digest(offered, self.api_key)
+        from_query = _pop_query_key(scope)  # cut from an HTTP request's query too, though only a WebSocket may use it
+        if scope["type"] == "websocket":
+            offered = offered or from_query
+        return hmac.compare_digest(_digest(offered), self.key_digest)
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def _pop_query_key(scope) -> bytes:
+    """The `api_key` query parameter (b"" if none), removed from the scope, which the
+    server shares with its own logging."""
+    pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    keys = [value for name, value in pairs if name == "api_key"]
+    if not keys:
+        return b""
+    scope["query_string"] = urlencode([(n, v) for n, v in pairs if n != "api_key"]).encode()
+    return keys[0].encode()

@@ -12,6 +12,11 @@ from typing import TypeVar
 import msgspec
 from starlette.responses import Response
 
+# A full queue drains within a few engine steps; a draining process never comes back,
+# but its replacement (or another replica) is up within seconds.
+RETRY_AFTER_QUEUE_FULL_S = 1
+RETRY_AFTER_DRAINING_S = 5
+
 # The error `type` OpenAI uses for each status we send.
 _TYPE_FOR_STATUS = {
     400: "invalid_request_error",
@@ -20,8 +25,10 @@ _TYPE_FOR_STATUS = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -37,21 +44,26 @@ class ErrorResponse(msgspec.Struct):
 
 
 class APIError(Exception):
-    """A request that cannot be served, with the status and the field to blame."""
+    """A request that cannot be served, with the status and the field to blame.
+    retry_after: seconds, sent as `Retry-After` when the client should come back later."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
     def info(self) -> ErrorInfo:
         error_type = _TYPE_FOR_STATUS.get(self.status, "invalid_request_error")
         return ErrorInfo(self.message, error_type, self.param, self.code)
 
     def response(self) -> Response:
-        return Response(msgspec.json.encode(ErrorResponse(self.info())), self.status, media_type="application/json")
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return Response(msgspec.json.encode(ErrorResponse(self.info())), self.status, headers=headers,
+                        media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -64,6 +76,26 @@ def server_error(message: str = "internal server error") -> APIError:
 
 def engine_dead(reason: str | None) -> APIError:
     return APIError(503, f"the engine is not available: {reason or 'it stopped'}", code="engine_dead")
+
+
+def shutting_down(message: str = "the server is shutting down") -> APIError:
+    """503: this process takes no new work; the client should go to another replica or come back."""
+    return APIError(503, message, code="server_shutting_down", retry_after=RETRY_AFTER_DRAINING_S)
+
+
+def queue_full(limit: int) -> APIError:
+    return APIError(429, f"the server is busy: {limit} requests are already waiting", code="too_many_requests",
+                    retry_after=RETRY_AFTER_QUEUE_FULL_S)
+
+
+def request_timed_out(timeout_s: float) -> APIError:
+    """504: the request was valid and the client was not slow; the server missed its own deadline."""
+    return APIError(504, f"the request did not finish within the server's request timeout of {timeout_s:g} s",
+                    code="request_timeout")
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
 
 
 T = TypeVar("T")

@@ -1,17 +1,23 @@
-"""Request body -> SamplingParams, with errors that name the client's field."""
+"""Request body -> SamplingParams, with errors that name the client's field.
+
+The server's limits (ServerLimits) are checked first, so a value over them is
+refused in the server's words; SamplingParams then checks every value range."""
 
 from __future__ import annotations
 
 from ..engine.sampling_params import SamplingParams
 from .errors import APIError, bad_request
+from .limits import ServerLimits
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-
-def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
-    return _build(req, max_tokens=req.max_tokens, logprobs=req.logprobs, renamed={})
+_DEFAULT_LIMITS = ServerLimits()
 
 
-def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+def completion_sampling_params(req: CompletionRequest, limits: ServerLimits = _DEFAULT_LIMITS) -> SamplingParams:
+    return _build(req, limits, max_tokens=req.max_tokens, logprobs=req.logprobs, renamed={})
+
+
+def chat_sampling_params(req: ChatCompletionRequest, limits: ServerLimits = _DEFAULT_LIMITS) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -20,13 +26,15 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         max_tokens, max_tokens_field = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, max_tokens_field = req.max_tokens, "max_tokens"
-    return _build(req, max_tokens=max_tokens, logprobs=logprobs,
+    return _build(req, limits, max_tokens=max_tokens, logprobs=logprobs,
                   renamed={"logprobs": "top_logprobs", "max_tokens": max_tokens_field})
 
 
-def _build(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+def _build(req: SamplingFields, limits: ServerLimits, *, max_tokens: int | None, logprobs: int | None,
            renamed: dict[str, str]) -> SamplingParams:
     """renamed: SamplingParams field -> the request field it came from (for error messages)."""
+    limits.check_sampling(n=req.n, max_tokens=max_tokens, max_tokens_field=renamed.get("max_tokens", "max_tokens"),
+                          min_tokens=req.min_tokens, stop=req.stop)
     try:
         return SamplingParams(
             n=req.n,

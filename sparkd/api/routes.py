@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .. import __version__
-from .errors import APIError, decode_json, engine_dead
+from .errors import body_too_large, decode_json, engine_dead, shutting_down
 from .generation import Submission
 from .job import Job
 from .metrics import CONTENT_TYPE
@@ -19,10 +19,6 @@ from .sse import EventStreamResponse
 from .state import ServerState
 from .streaming import collect, sse_events
 
-# Far above any prompt that fits a context window; stops memory exhaustion by huge bodies.
-MAX_BODY_BYTES = 32 * 2**20
-
-
 def json_response(payload: msgspec.Struct | dict, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status, media_type="application/json")
 
@@ -31,33 +27,35 @@ def _state(request: Request) -> ServerState:
     return request.app.state.sparkd
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes: by its Content-Length at once, and
+    by counting as it arrives, so a chunked body (no Content-Length) cannot slip past."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        if size > limit:
+            raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
 async def completions(request: Request) -> Response:
     state = _state(request)
-    req = decode_json(await read_body(request), CompletionRequest)
+    req = decode_json(await read_body(request, state.limits.max_body_bytes), CompletionRequest)
     return await _respond(state, prepare_completion(state, req), request)
 
 
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    req = decode_json(await read_body(request), ChatCompletionRequest)
+    req = decode_json(await read_body(request, state.limits.max_body_bytes), ChatCompletionRequest)
     return await _respond(state, prepare_chat(state, req), request)
 
 
 async def _respond(state: ServerState, job: Job, request: Request):
-    sub = Submission(state.engine, state.metrics, job.prompts, job.params, job.id)
+    sub = Submission(state, job)
     if job.stream:
         return EventStreamResponse(sse_events(sub, job), on_close=sub.abort)
     outputs = await collect(sub, request.receive)
@@ -73,9 +71,13 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    engine = _state(request).engine
-    if engine.is_dead:
-        return engine_dead(engine.dead_reason).response()
+    """200 while this process takes work; 503 once it is draining or its engine died,
+    so a load balancer stops sending it requests."""
+    state = _state(request)
+    if state.engine.is_dead:
+        return engine_dead(state.engine.dead_reason).response()
+    if state.draining:
+        return shutting_down().response()
     return Response(status_code=200)
 
 

@@ -31,7 +31,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "con
 
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Job:
     model = state.resolve_model(req.model)
-    params = chat_sampling_params(req)
+    params = chat_sampling_params(req, state.limits)
     prompt = _prompt_token_ids(state, req)
     fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model,
                      state.token_text if params.logprobs is not None else None)

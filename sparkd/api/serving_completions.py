@@ -21,7 +21,7 @@ MAX_PROMPTS = 256
 
 def prepare_completion(state: ServerState, req: CompletionRequest) -> Job:
     model = state.resolve_model(req.model)
-    params = completion_sampling_params(req)
+    params = completion_sampling_params(req, state.limits)
     prompts = _prompt_list(req.prompt)
     fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model,
                            state.token_text if params.logprobs is not None else None)

@@ -8,15 +8,18 @@ also carries its finish_reason.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncGenerator
 
 import msgspec
 
 from ..engine.outputs import RequestOutput
-from .errors import APIError
+from .errors import APIError, server_error
 from .generation import Submission
 from .job import Job
 from .sse import DONE, sse_error, sse_event, wait_for_disconnect
+
+log = logging.getLogger("sparkd.api")
 
 
 async def chunk_stream(sub: Submission, job: Job) -> AsyncGenerator[msgspec.Struct, None]:
@@ -45,7 +48,15 @@ async def sse_events(sub: Submission, job: Job) -> AsyncGenerator[bytes, None]:
             yield sse_event(job.fmt.usage_chunk(sub.usage()))
     except APIError as exc:
         yield sse_error(exc.info())
+    except Exception:  # noqa: BLE001 - a bug; the client gets a bare error event, the log the traceback
+        yield sse_error(unexpected_error(job.id).info())
     yield DONE
+
+
+def unexpected_error(request_id: str) -> APIError:
+    """A bug met mid-request: logged with its traceback here, a bare 500 for the client."""
+    log.exception("unhandled error in request %s", request_id)
+    return server_error()
 
 
 async def collect(sub: Submission, receive) -> list[RequestOutput] | None:

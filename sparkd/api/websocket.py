@@ -10,7 +10,9 @@ A request's frames go out in order; frames of different requests interleave.
 The body is the HTTP body; `stream` and `stream_options` are ignored (a
 WebSocket request always streams and "done" always carries usage). A cancel
 for an id that is not in flight is ignored, since the request may just have
-finished. Closing the socket aborts every request on it.
+finished. Closing the socket aborts every request on it. A request the HTTP
+routes would refuse (a frame over the body limit, a full queue, a draining
+server) gets the same error as an error frame, and the socket lives on.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable
 import msgspec
 from starlette.websockets import WebSocket
 
-from .errors import APIError, bad_request, decode_json
+from .errors import APIError, bad_request, body_too_large, decode_json
 from .generation import Submission
 from .job import Job
 from .protocol import REQUEST_TYPES, WSClientMessage
@@ -30,7 +32,7 @@ from .responses import WSChunk, WSDone, WSError
 from .serving_chat import prepare_chat
 from .serving_completions import prepare_completion
 from .state import ServerState
-from .streaming import chunk_stream
+from .streaming import chunk_stream, unexpected_error
 
 log = logging.getLogger("sparkd.api")
 
@@ -72,6 +74,10 @@ class _Session:
             await asyncio.gather(*(task for task, _ in self.in_flight.values()), return_exceptions=True)
 
     async def _handle(self, raw: str | bytes) -> None:
+        limit = self.state.limits.max_body_bytes
+        if len(raw.encode() if isinstance(raw, str) else raw) > limit:
+            await self._send(WSError(id=None, error=body_too_large(limit).info()))  # not parsed, so no id
+            return
         try:
             frame = decode_json(raw, WSClientMessage)
         except APIError as exc:
@@ -84,6 +90,9 @@ class _Session:
             job, sub = self._start(frame)
         except APIError as exc:
             await self._send(WSError(id=frame.id, error=exc.info()))
+            return
+        except Exception:  # noqa: BLE001 - a bug; one request fails, the socket lives on
+            await self._send(WSError(id=frame.id, error=unexpected_error(frame.id).info()))
             return
         self.in_flight[frame.id] = (asyncio.create_task(self._stream(frame.id, job, sub)), sub)
 
@@ -108,7 +117,7 @@ class _Session:
                 error.param = f"body.{error.param}"
             raise
         job = _PREPARE[frame.type](self.state, req)
-        return job, Submission(self.state.engine, self.state.metrics, job.prompts, job.params, job.id)
+        return job, Submission(self.state, job)
 
     async def _stream(self, client_id: str, job: Job, sub: Submission) -> None:
         """Chunks, then done or error. Cancellation (by `_cancel` or the socket closing)
@@ -120,6 +129,8 @@ class _Session:
             last = WSDone(id=client_id, usage=sub.usage())
         except APIError as exc:
             last = WSError(id=client_id, error=exc.info())
+        except Exception:  # noqa: BLE001 - a bug; the client gets a bare error frame, the log the traceback
+            last = WSError(id=client_id, error=unexpected_error(job.id).info())
         finally:
             sub.abort()
         del self.in_flight[client_id]
