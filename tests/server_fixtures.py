@@ -121,6 +121,14 @@ class ServerProcess:
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
+    def log_size(self) -> int:
+        """A mark in the log, for `log_since`."""
+        return self.log_path.stat().st_size
+
+    def log_since(self, mark: int) -> str:
+        """What the server logged after `log_size()` returned `mark`."""
+        return self.log_path.read_bytes()[mark:].decode(errors="replace")
+
     def stop(self) -> int:
         self.process.terminate()
         try:
@@ -132,10 +140,21 @@ class ServerProcess:
 
 def start_server(model_dir: Path, log_path: Path, *extra_args: str, api_key: str = API_KEY,
                  startup_timeout: float = 120.0) -> ServerProcess:
+    """`sparkd serve` on `model_dir` (CPU, context MAX_MODEL_LEN); later flags in `extra_args` win."""
+    return _launch(["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), *extra_args], log_path,
+                   api_key, startup_timeout)
+
+
+def start_demo_server(log_path: Path, *extra_args: str, api_key: str = API_KEY,
+                      startup_timeout: float = 120.0) -> ServerProcess:
+    """`sparkd serve` with no model: the embedded demo model, on the CPU."""
+    return _launch(list(extra_args), log_path, api_key, startup_timeout)
+
+
+def _launch(serve_args: list[str], log_path: Path, api_key: str, startup_timeout: float) -> ServerProcess:
     port = free_port()
-    cmd = [sys.executable, "-m", "sparkd.cli.main", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", api_key,
-           "--uvicorn-log-level", "warning", *extra_args]
+    cmd = [sys.executable, "-m", "sparkd.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--device", "cpu", "--api-key", api_key, "--uvicorn-log-level", "warning", *serve_args]
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = open(log_path, "wb")
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
@@ -153,3 +172,28 @@ def start_server(model_dir: Path, log_path: Path, *extra_args: str, api_key: str
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"sparkd serve did not become healthy in {startup_timeout} s:\n{server.log_tail()}")
+
+
+def sse_payloads(body: bytes) -> list[str]:
+    """The `data:` payloads of an SSE body in order. Events end at a blank line; unlike
+    str.splitlines, this never splits an event whose JSON holds U+2028 or U+0085."""
+    payloads = []
+    for event in body.decode().split("\n\n"):
+        data = [line[len("data:"):].removeprefix(" ") for line in event.split("\n") if line.startswith("data:")]
+        if data:
+            payloads.append("\n".join(data))
+    return payloads
+
+
+def complete_stream_chunks(payloads: list[str]) -> list[dict]:
+    """The JSON chunks of a stream that ran to its end, checked: no error event, every
+    choice that appeared got a finish_reason, and `[DONE]` comes last, once."""
+    assert payloads and payloads[-1] == "[DONE]", f"stream did not end with [DONE]: {payloads[-3:]}"
+    assert "[DONE]" not in payloads[:-1], "[DONE] before the end of the stream"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    errors = [c["error"] for c in chunks if "error" in c]
+    assert not errors, f"error event in the stream: {errors}"
+    seen = {choice["index"] for c in chunks for choice in c["choices"]}
+    finished = {choice["index"] for c in chunks for choice in c["choices"] if choice["finish_reason"] is not None}
+    assert seen == finished, f"choices {sorted(seen - finished)} never finished"
+    return chunks
