@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import tokenizers
 import torch
 import transformers
@@ -23,7 +24,9 @@ import transformers
 from sparkd.backend.base import AttentionMetadata
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 
 TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=384,
@@ -58,6 +61,7 @@ def make_tiny_checkpoint(
     directory = Path(directory)
     config = transformers.AutoConfig.for_model(_MODEL_TYPES[arch], architectures=[arch], **{**TINY_CONFIG, **overrides})
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # MoE: the plain loop over experts, not grouped_mm
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
     _randomize(model, seed)
@@ -83,7 +87,27 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             elif "embed_tokens" in name:
                 param.copy_(noise)
             else:
-                param.copy_(noise / param.shape[1] ** 0.5)
+                param.copy_(noise / param.shape[-1] ** 0.5)  # fused experts [E, N, K] have fan-in K too
+
+
+def tiny_moe_overrides(arch: str, **overrides: Any) -> dict[str, Any]:
+    """`make_tiny_checkpoint` overrides for a tiny MoE `arch`: 8 experts, 2 per token, and
+    Qwen3-MoE experts narrower (48) than its dense MLP layers (TINY_CONFIG's 128), so a
+    mix-up of the two shows; `overrides` win."""
+    experts = dict(num_experts=8, moe_intermediate_size=48) if arch == "Qwen3MoeForCausalLM" else dict(num_local_experts=8)
+    return {**experts, "num_experts_per_tok": 2, **overrides}
+
+
+def save_fused_experts_checkpoint(model: transformers.PreTrainedModel, directory: str | Path) -> Path:
+    """Save `model` with its in-memory weight names (transformers 5 keeps each layer's
+    experts fused: `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+    [E, H, I]), the layout `save_pretrained` converts back to one tensor per expert."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    safetensors.torch.save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
 
 
 def hf_logits(model: transformers.PreTrainedModel, token_ids: list[int]) -> np.ndarray:

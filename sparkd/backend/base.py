@@ -10,6 +10,7 @@ Shapes use these letters:
   H  hidden size     V  vocab    I  intermediate size   D  head dim
   Hq query heads     Hkv kv heads
   NB kv blocks       BS block size (tokens per block)
+  E  experts (MoE)   k  experts per token (top-k)
 """
 
 from __future__ import annotations
@@ -153,6 +154,10 @@ class Ops(Protocol):
     ) -> list[tuple[Tensor, Tensor]]:
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in `self.dtype`, zeroed."""
 
+    def load_kernels(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile (or read from the cache) and load every kernel now, so that no step
+        waits for a compiler. progress: gets a line per kernel source. CPU: nothing to do."""
+
     def bind_thread(self) -> None:
         """Make the backend usable from the calling thread (CUDA: make its context current)."""
 
@@ -196,6 +201,26 @@ class Ops(Protocol):
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+
+    def moe_route(self, router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+        """Pick each token's `top_k` experts: softmax over E in fp32, then top-k.
+
+        router_logits [T, E] (any float dtype) -> (weights [T, k] float32, expert_ids [T, k] int32),
+        each row in descending weight, ties going to the lower expert id. With
+        `renormalize` the k weights of a row are divided by their sum (Mixtral,
+        Qwen3-MoE's norm_topk_prob); without, they stay softmax probabilities over E.
+        One fused kernel on a GPU; the pair goes straight into `moe_experts`."""
+
+    def moe_experts(self, x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor, expert_ids: Tensor) -> Tensor:
+        """Routed SiLU-gated expert MLPs, combined by the routing weights.
+
+        x [T, H], gate_up [E, 2I, H] = [gate | up] per expert, down [E, H, I],
+        weights [T, k] float32, expert_ids [T, k] int32 (from `moe_route`) ->
+        out[t] = sum_j weights[t, j] * down[e] @ silu_and_mul(gate_up[e] @ x[t]), e = expert_ids[t, j],
+        [T, H] in x's dtype, the sum over j taken in fp32. Experts no token chose are
+        never read. A backend groups the T*k (token, expert) pairs by expert, runs one
+        GEMM per expert on its group (a grouped GEMM on a GPU) and scatters the rows
+        back to token order for the weighted combine."""
 
     def add(self, x: Tensor, y: Tensor) -> Tensor: ...
 

@@ -18,7 +18,8 @@ from ..backend.base import RopeConfig
 
 # Traits the HF modeling files hard-code instead of reading from the config.
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
-_QK_NORM = {"Qwen3ForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+_ALWAYS_RENORMALIZE_TOPK = {"MixtralForCausalLM"}
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -46,6 +47,17 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     dtype: str | None = None  # checkpoint dtype as HF names it, e.g. "bfloat16"
+    # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # I of each expert; `intermediate_size` stays the dense MLP's
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` has a sparse MoE block rather than a dense MLP (transformers' rule)."""
+        return self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -84,6 +96,7 @@ class ModelConfig:
             eos_token_ids=_merge_ids(generation.get("eos_token_id"), hf.get("eos_token_id")),
             bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
             dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            **_moe_fields(hf, architecture),
         )
 
 
@@ -137,14 +150,39 @@ def _llama3_scaled(inv_freq: np.ndarray, params: dict[str, Any], max_positions: 
     return np.where(is_medium, smoothed, scaled)
 
 
+def _moe_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The MoE fields of ModelConfig; {} for a dense model. Qwen3-MoE writes `num_experts`,
+    Mixtral (and transformers 5 for both) `num_local_experts`; Mixtral's experts are
+    `intermediate_size` wide and always renormalise."""
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if not num_experts:
+        return {}
+    top_k = hf["num_experts_per_tok"]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok must be between 1 and the number of experts ({num_experts}), got {top_k}")
+    sparse_step = hf.get("decoder_sparse_step", 1)
+    if sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step must be at least 1, got {sparse_step}")
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        norm_topk_prob=architecture in _ALWAYS_RENORMALIZE_TOPK or bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=sparse_step,
+        mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+    )
+
+
 def _reject_unsupported_features(hf: dict[str, Any]) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
     layer_types = hf.get("layer_types") or []
-    sliding = hf.get("use_sliding_window", False) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+    sliding = hf.get("use_sliding_window", False) and (hf.get("max_window_layers") or 0) < hf["num_hidden_layers"]
+    # Mistral-style configs (Mixtral) have no switch: a set `sliding_window` is used.
+    sliding = sliding or ("use_sliding_window" not in hf and hf.get("sliding_window") is not None)
     if sliding or "sliding_attention" in layer_types:
-        raise ValueError("sliding-window attention (use_sliding_window / layer_types) is not supported")
+        raise ValueError("sliding-window attention (use_sliding_window, sliding_window or layer_types) is not supported")
 
 
 def _merge_ids(*values: int | list[int] | None) -> list[int]:

@@ -69,13 +69,15 @@ class DenseMLP:
 
 
 class DenseDecoderLayer:
-    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
+    """`mlp` is the layer's feed-forward block: anything with `forward(x [T, H]) -> [T, H]`."""
+
+    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str, mlp: Any):
         self.ops = ops
         self.eps = config.rms_norm_eps
         self.input_layernorm = take(weights, prefix + "input_layernorm.weight")
         self.self_attn = DenseAttention(config, ops, weights, prefix + "self_attn.")
         self.post_attention_layernorm = take(weights, prefix + "post_attention_layernorm.weight")
-        self.mlp = DenseMLP(config, ops, weights, prefix + "mlp.")
+        self.mlp = mlp
 
     def forward(
         self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None, attn: Any, kv_cache: tuple[Tensor, Tensor]
@@ -93,21 +95,32 @@ class DenseDecoderLayer:
 
 
 class DenseForCausalLM:
-    """Takes its weights, uploaded and packed, from `weights`, removing each one it uses."""
+    """Takes its weights, uploaded and packed, from `weights`, removing each one it uses.
 
+    The registry renames checkpoint path components by `renamed_modules`, then packs
+    by `packed_modules`, before the weights get here."""
+
+    renamed_modules: ClassVar[dict[str, str]] = {}
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights):
         self.config = config
         self.ops = ops
         self.embed_tokens = take(weights, "model.embed_tokens.weight")
-        self.layers = [DenseDecoderLayer(config, ops, weights, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.layers = [
+            DenseDecoderLayer(config, ops, weights, f"model.layers.{i}.", self.build_mlp(weights, f"model.layers.{i}.mlp.", i))
+            for i in range(config.num_layers)
+        ]
         self.norm = take(weights, "model.norm.weight")
         if config.tie_word_embeddings:
             weights.pop("lm_head.weight", None)  # some checkpoints store the tied copy anyway
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = take(weights, "lm_head.weight")
+
+    def build_mlp(self, weights: Weights, prefix: str, layer_index: int) -> Any:
+        """The feed-forward block of layer `layer_index`, from the weights under `prefix`."""
+        return DenseMLP(self.config, self.ops, weights, prefix)
 
     def forward(self, token_ids: Tensor, positions: Tensor, attn: Any, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """token_ids, positions [T] int32 -> final hidden states [T, H], before the last norm."""

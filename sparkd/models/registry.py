@@ -15,12 +15,15 @@ from ..backend.base import Ops
 from .config import ModelConfig, architecture_of, read_hf_configs
 from .dense import DenseForCausalLM
 from .load_progress import LoadProgress
+from .moe import MoeForCausalLM
 from .safetensors_reader import iter_checkpoint, stored_nbytes
 
 _MODEL_CLASSES: dict[str, type] = {
     "LlamaForCausalLM": DenseForCausalLM,
     "Qwen2ForCausalLM": DenseForCausalLM,
     "Qwen3ForCausalLM": DenseForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
 
@@ -48,7 +51,8 @@ def load_model(model_dir: str | Path, ops: Ops, report: Callable[[str], None] | 
     """Build the model for `model_dir`, uploading its weights through `ops` in `ops.dtype`.
 
     Weights stream from the mapped files one tensor at a time and are uploaded at once;
-    the host keeps only packed modules still waiting for a part (see `pack_weights`).
+    the host keeps only packed modules still waiting for a part (see `pack_weights`)
+    and expert stacks still waiting for an expert (see `stack_experts`).
     A progress bar shows on a terminal; `report` gets progress lines."""
     config = load_model_config(model_dir)
     model_class = model_class_for(config.architecture)
@@ -56,11 +60,22 @@ def load_model(model_dir: str | Path, ops: Ops, report: Callable[[str], None] | 
     progress = LoadProgress(sum(sizes.values()), report)
     stored = progress.track(iter_checkpoint(model_dir), nbytes_of=sizes.__getitem__)
     checkpoint = ((n, a) for n, a in stored if not n.endswith(_IGNORED_WEIGHT_SUFFIXES))
-    weights = {name: ops.upload(array, ops.dtype) for name, array in pack_weights(checkpoint, model_class.packed_modules)}
+    renamed = rename_modules(checkpoint, model_class.renamed_modules)
+    packed = stack_experts(pack_weights(renamed, model_class.packed_modules), config.num_experts)
+    weights = {name: ops.upload(array, ops.dtype) for name, array in packed}
     model = model_class(config, ops, weights)
     if weights:
         raise ValueError(f"checkpoint has weights {config.architecture} does not use: {sorted(weights)}")
     return model
+
+
+def rename_modules(
+    weights: Iterable[tuple[str, np.ndarray]], renamed_modules: dict[str, str]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Rename whole components of each weight's dotted path: with {"w1": "gate_proj"},
+    `...experts.3.w1.weight` becomes `...experts.3.gate_proj.weight`."""
+    for name, array in weights:
+        yield ".".join(renamed_modules.get(part, part) for part in name.split(".")), array
 
 
 def pack_weights(
@@ -88,3 +103,32 @@ def pack_weights(
             yield packed_name, np.concatenate(parts, axis=0)
     if pending:
         raise ValueError(f"checkpoint has only some parts of {sorted(pending)}")
+
+
+def stack_experts(weights: Iterable[tuple[str, np.ndarray]], num_experts: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Stack per-expert weights `<prefix>.experts.{e}.<module>.weight` [N, K], e = 0..E-1,
+    into one `<prefix>.experts.<module>` [E, N, K] (transformers 5's name for the fused
+    tensor), yielded once its last expert has arrived. The stack is filled in place,
+    so the host never holds an expert twice. Other weights pass through unchanged, as
+    does everything when num_experts is 0 (a dense model)."""
+    pending: dict[str, tuple[np.ndarray, set[int]]] = {}
+    for name, array in weights:
+        path = name.split(".")
+        is_expert = len(path) >= 4 and path[-4] == "experts" and path[-3].isdigit() and path[-1] == "weight"
+        if not (num_experts and is_expert):
+            yield name, array
+            continue
+        expert = int(path[-3])
+        if expert >= num_experts:
+            raise ValueError(f"checkpoint has weight {name!r}, but the config has only {num_experts} experts")
+        stacked_name = ".".join([*path[:-3], path[-2]])
+        stacked, arrived = pending.setdefault(stacked_name, (np.empty((num_experts, *array.shape), array.dtype), set()))
+        if array.shape != stacked.shape[1:]:
+            raise ValueError(f"weight {name!r} has shape {array.shape}, other experts {stacked.shape[1:]}")
+        stacked[expert] = array
+        arrived.add(expert)
+        if len(arrived) == num_experts:
+            del pending[stacked_name]
+            yield stacked_name, stacked
+    if pending:
+        raise ValueError(f"checkpoint has only some of the {num_experts} experts of {sorted(pending)}")

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from .moe import moe_experts, moe_route, silu_and_mul
 from .sampler import sample
 
 
@@ -91,9 +92,14 @@ class NumpyOps:
         return paged_attention(q, k_cache, v_cache, attn, scale)
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
-        gate, up = np.split(x, 2, axis=-1)
-        with np.errstate(over="ignore"):  # exp(-gate) = inf for gate << 0 gives the right limit, 0
-            return gate / (1.0 + np.exp(-gate)) * up
+        return silu_and_mul(x)
+
+    def moe_route(self, router_logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+        return moe_route(router_logits, top_k, renormalize)
+
+    def moe_experts(self, x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, weights: np.ndarray,
+                    expert_ids: np.ndarray) -> np.ndarray:
+        return moe_experts(x, gate_up, down, weights, expert_ids)
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return x + y
@@ -106,6 +112,9 @@ class NumpyOps:
     ) -> np.ndarray:
         normed = self.rmsnorm(hidden[indices], norm_weight, eps)
         return (normed @ lm_head.T).astype(np.float32, copy=False)
+
+    def load_kernels(self, progress=None) -> None:
+        pass  # numpy has nothing to compile
 
     def sample(self, logits: np.ndarray, params: SamplingTensors) -> SamplerOutput:
         return sample(logits, params)

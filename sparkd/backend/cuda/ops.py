@@ -12,7 +12,7 @@ passing it on, and the in-place kernel saves a pass over [T, H] per norm.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from cuda.bindings import driver
@@ -20,6 +20,7 @@ from cuda.bindings import driver
 from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
+from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
@@ -34,6 +35,7 @@ log = logging.getLogger("sparkd.cuda")
 _MODEL_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 _SMALL_UPLOAD = 1 << 20  # per-step inputs: one pinned staging copy; larger (weights): chunked
 _MIN_ROPE_POSITIONS = 4096
+_MOE_NOT_BUILT = "mixture-of-experts kernels are not built yet on CUDA (issue 5)"
 
 
 class CudaOps:
@@ -54,6 +56,14 @@ class CudaOps:
         self._inject_fault = fault.fault_requested()
         log.info("CUDA backend on %s (%s, %d SMs, %.1f GiB), dtype %s", self.device.name, self.device.arch,
                  self.device.sm_count, self.device.total_memory / 2**30, self.dtype.name)
+
+    def load_kernels(self, progress: Callable[[str], None] | None = None) -> None:
+        """Load every kernel module (one per cukernels/ source), compiling what the disk
+        cache lacks: minutes on a cold cache, which must not happen inside a request."""
+        for source, names in specs_by_source(all_kernel_specs()).items():
+            if progress is not None:
+                progress(f"loading kernels: {source}")
+            get_kernel(KernelSpec(source, names[0]))
 
     # ---- memory ----
     def upload(self, array: np.ndarray, dtype=None) -> DeviceTensor:
@@ -189,6 +199,13 @@ class CudaOps:
         out = self.allocator.empty((x.shape[0], x.shape[1] // 2), x.dtype)
         activation.silu_and_mul(out, x, self.stream)
         return out
+
+    def moe_route(self, router_logits: DeviceTensor, top_k: int, renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
+        raise NotImplementedError(_MOE_NOT_BUILT)
+
+    def moe_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
+                    expert_ids: DeviceTensor) -> DeviceTensor:
+        raise NotImplementedError(_MOE_NOT_BUILT)
 
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)

@@ -1,0 +1,63 @@
+"""Mixture-of-experts decoder for Qwen3MoeForCausalLM and MixtralForCausalLM, written once against `Ops`.
+
+The dense decoder (dense.py) with a sparse MoE block in place of the MLP in the
+layers `ModelConfig.is_moe_layer` picks: Qwen3-MoE by `decoder_sparse_step` and
+`mlp_only_layers` (the other layers keep a dense MLP), Mixtral in every layer.
+Mirrors transformers' modeling_qwen3_moe.py and modeling_mixtral.py; attention is
+Qwen3's (q/k norm) or Llama's by the same config flags as the dense models.
+
+Checkpoint layout: Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2` are renamed to
+Qwen3-MoE's `mlp.experts.{e}.gate_proj/up_proj/down_proj` (`renamed_modules`); gate
+and up are packed per expert, then the registry stacks the experts
+(`registry.stack_experts`) into `mlp.experts.gate_up_proj` [E, 2I, H] and
+`mlp.experts.down_proj` [E, H, I]. Those are the names transformers 5 uses in
+memory, so checkpoints saved in that fused 3-D form load unchanged.
+
+Shapes: T tokens in the step, H hidden, E experts, k experts per token, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ..backend.base import Ops, Tensor
+from .config import ModelConfig
+from .dense import DenseForCausalLM, Weights, take
+
+
+def take_shaped(weights: Weights, name: str, shape: tuple[int, ...]) -> Tensor:
+    """`take`, checking the weight has the shape the config implies."""
+    tensor = take(weights, name)
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, but the config implies {shape}")
+    return tensor
+
+
+class SparseMoeBlock:
+    """Router and routed SiLU experts: Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock."""
+
+    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
+        self.ops = ops
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        num_experts, hidden, intermediate = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.router = take_shaped(weights, prefix + "gate.weight", (num_experts, hidden))
+        self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (num_experts, 2 * intermediate, hidden))
+        self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (num_experts, hidden, intermediate))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, H] -> sum over each token's k experts of weight * expert(x), [T, H]."""
+        router_logits = self.ops.linear(x, self.router)  # [T, E]
+        weights, expert_ids = self.ops.moe_route(router_logits, self.top_k, self.renormalize)  # [T, k] each
+        return self.ops.moe_experts(x, self.gate_up_proj, self.down_proj, weights, expert_ids)
+
+
+class MoeForCausalLM(DenseForCausalLM):
+    """A dense decoder whose MoE layers (`config.is_moe_layer`) hold a SparseMoeBlock."""
+
+    renamed_modules: ClassVar[dict[str, str]] = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+    def build_mlp(self, weights: Weights, prefix: str, layer_index: int) -> Any:
+        if self.config.is_moe_layer(layer_index):
+            return SparseMoeBlock(self.config, self.ops, weights, prefix)
+        return super().build_mlp(weights, prefix, layer_index)
