@@ -211,9 +211,14 @@ class AsyncEngine:
         stream's last item), and abort it (e.g. when a drain runs out of time)."""
         for request_id, stream in list(self._streams.items()):
             final = self.core.output_processor.fail(request_id, message)
+            del self._streams[request_id]
             if final is not None:
-                stream.put(final)
-            self.abort(request_id)
+                stream.put(final)  # its reader's last item, even if it is behind
+            else:
+                stream.finished = True
+            self._pending_aborts.add(request_id)
+        if not self._step_running:
+            self._apply_aborts()
 
     def _apply_aborts(self) -> None:
         while self._pending_aborts:

@@ -109,6 +109,7 @@ class LLMEngine:
                                                cfg.head_dim)
         self.runner = ModelRunner(self.model, self.ops, kv_caches, args.block_size, args.max_num_seqs,
                                   self.max_model_len)
+        self.ops.load_kernels(progress)
         if args.capture_graphs_at_startup and self.runner.decode_graphs is not None:
             if progress is not None:
                 progress("capturing the decode graphs")
@@ -193,6 +194,10 @@ class LLMEngine:
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise RequestError(f"this model's maximum context length is {limit} tokens, but {n + params.max_tokens} were "
                                f"requested ({n} in the prompt, {params.max_tokens} for the completion)", "max_tokens")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids", "stop")
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
