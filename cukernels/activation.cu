@@ -9,7 +9,6 @@ using namespace sparkd;
 // output chunks (grid-stride, so any row count fits).
 template <typename T, int kVec>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int rows, int inter) {
-  sparkd::begin_dependent_grid();
   const int chunks_per_row = inter / kVec;
   const long long num_chunks = static_cast<long long>(rows) * chunks_per_row;
   for (long long chunk = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; chunk < num_chunks;

@@ -99,7 +99,6 @@ __global__ void __launch_bounds__(kThreads)
                             const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                             const int* __restrict__ block_tables, int max_blocks_per_seq, int num_q_heads,
                             int num_kv_heads, int block_size, float scale_log2, int num_splits, int min_split_keys) {
-  sparkd::begin_dependent_grid();
   decode_attention<T, D, 1>(out, o_part, lse_part, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                             max_blocks_per_seq, num_q_heads, num_kv_heads, block_size, scale_log2, num_splits,
                             min_split_keys);
@@ -115,7 +114,6 @@ __global__ void __cluster_dims__(kDecodeCluster, 1, 1) __launch_bounds__(kThread
                                     const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                                     int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
                                     float scale_log2, int num_splits, int min_split_keys) {
-  sparkd::begin_dependent_grid();
   decode_attention<T, D, kDecodeCluster>(out, o_part, lse_part, q, k_cache, v_cache, query_start_loc, seq_lens,
                                          block_tables, max_blocks_per_seq, num_q_heads, num_kv_heads, block_size,
                                          scale_log2, num_splits, min_split_keys);
@@ -134,7 +132,6 @@ __global__ void __launch_bounds__(kThreads)
                                  const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                                  int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
                                  float scale_log2, int num_splits, int min_split_keys) {
-  sparkd::begin_dependent_grid();
   static_assert(kFp32Rows == kDecodeRows, "both decode kernels cut a group into chunks of 16 heads");
   constexpr int R = kFp32RowsPerWarp, LD = smem_ld<float, D>();
 
@@ -183,7 +180,6 @@ __global__ void __launch_bounds__(D)
     decode_combine_kernel(T* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse_part,
                           const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, int num_q_heads,
                           int num_splits, int per_part, int min_split_keys) {
-  sparkd::begin_dependent_grid();
   const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   const int seq_len = seq_lens[seq];
   const int used = ceil_div(seq_len, split_length(seq_len, num_splits, min_split_keys) * per_part);

@@ -44,7 +44,6 @@ __global__ void __launch_bounds__(kThreads)
                              const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
                              int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
                              float scale_log2) {
-  sparkd::begin_dependent_grid();
   using Tile = PrefillTile<D>;
   constexpr int MT = Tile::kMTiles, KEYS = Tile::kKeys, NT = KEYS / 8, DT = D / 8;
   constexpr int ROWS = kWarps * 16 * MT, LD = smem_ld<T, D>();
@@ -125,7 +124,6 @@ __global__ void __launch_bounds__(kThreads)
                                   const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
                                   const int* __restrict__ block_tables, int max_blocks_per_seq, int num_q_heads,
                                   int num_kv_heads, int block_size, float scale_log2) {
-  sparkd::begin_dependent_grid();
   constexpr int R = kFp32RowsPerWarp, LD = smem_ld<float, D>();
 
   const int seq = blockIdx.z, kv_head = blockIdx.y;

@@ -12,32 +12,6 @@ namespace sparkd {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Programmatic dependent launch (sm_90+). The skinny GEMM is launched with
-// programmatic stream serialization: it may start while the kernel before it is
-// still running, streams its first weights (which no kernel writes), and waits
-// for that kernel's results only before it reads x. For it to start early, the
-// kernel before must let it (`allow_next_grid`). Without the launch attribute
-// both instructions are no-ops, as below sm_90.
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// The first statement of every kernel but the skinny GEMM: its results are ready
-// only once it ends, so it waits before touching memory (should it ever be launched
-// programmatically) and at once lets the next kernel get its blocks onto the SMs.
-__device__ __forceinline__ void begin_dependent_grid() {
-  wait_for_previous_grid();
-  allow_next_grid();
-}
-
 // +inf (NVRTC has no <cmath> INFINITY).
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 

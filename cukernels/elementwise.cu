@@ -7,7 +7,6 @@ using namespace sparkd;
 // Launch: a 1-D grid of 256-thread blocks striding over the n / kVec chunks.
 template <typename T, int kVec>
 __global__ void add_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ y, long long n) {
-  sparkd::begin_dependent_grid();
   for (long long i = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) * kVec; i < n;
        i += static_cast<long long>(gridDim.x) * blockDim.x * kVec) {
     float a[kVec], b[kVec];

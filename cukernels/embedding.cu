@@ -1,5 +1,3 @@
-#include "common.cuh"
-
 // Row gather: out[i] = table[ids[i]]. Serves the embedding lookup and the
 // gather of the last-position hidden rows before the final norm.
 //
@@ -12,7 +10,6 @@
 template <typename Word>
 __global__ void gather_rows_kernel(Word* __restrict__ out, const Word* __restrict__ table,
                                    const int* __restrict__ ids, int row_words, int table_rows) {
-  sparkd::begin_dependent_grid();
   const int row = blockIdx.x;
   const int id = ids[row];
   Word* dst = out + static_cast<long long>(row) * row_words;
@@ -32,7 +29,6 @@ __global__ void gather_rows_kernel(Word* __restrict__ out, const Word* __restric
 // Launch: grid = ceil(num_pairs / 256) blocks of 256 threads.
 __global__ void copy_drawn_tokens_kernel(int* __restrict__ token_ids, const int* __restrict__ drawn,
                                          const int* __restrict__ pairs, int num_pairs) {
-  sparkd::begin_dependent_grid();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < num_pairs) token_ids[pairs[i]] = drawn[pairs[num_pairs + i]];
 }

@@ -12,9 +12,7 @@
 //   re-reads) stays cached there, and each x chunk serves kGemvRows rows of w;
 // - when K is long, several warps split one row (split-K inside the block);
 //   their partial sums meet in shared memory, so there is no workspace and no
-//   atomic, the launch is graph-capturable and the result deterministic;
-// - it is launched programmatically (common.cuh): its blocks start while the
-//   kernel before runs and issue their first loads of w before they wait for it.
+//   atomic, the launch is graph-capturable and the result deterministic.
 #include "common.cuh"
 
 using namespace sparkd;
@@ -79,7 +77,6 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarps)
   }
 
   float acc[kM][kGemvRows] = {};
-  bool waited = false;
   for (int first = threadIdx.x; first < num_chunks; first += blockDim.x * kUnroll) {
     uint4 w_raw[kUnroll][kGemvRows];
 #pragma unroll
@@ -89,11 +86,6 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarps)
       for (int r = 0; r < kGemvRows; ++r) {
         if (chunk < num_chunks) w_raw[u][r] = load_streaming(w_rows[r] + static_cast<long long>(chunk) * C::kSize);
       }
-    }
-    if (!waited) {  // the first pass's weights are in flight; x comes from the kernel before
-      wait_for_previous_grid();
-      allow_next_grid();
-      waited = true;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -115,11 +107,6 @@ __global__ void __launch_bounds__(32 * kGemvMaxWarps)
         }
       }
     }
-  }
-
-  if (!waited) {  // a thread with no chunk still must not write before the kernel before ends
-    wait_for_previous_grid();
-    allow_next_grid();
   }
 
   // Each warp folds its lanes; then the block's warps meet in shared memory.

@@ -66,7 +66,6 @@ template <typename T, int kVec>
 __global__ void __launch_bounds__(1024)
 rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight, int rows,
                int inner_rows, long long stride_outer, long long stride_inner, int dim, float eps) {
-  sparkd::begin_dependent_grid();
   __shared__ float scratch[32 * 32];
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
@@ -89,7 +88,6 @@ template <typename T, int kVec>
 __global__ void __launch_bounds__(1024)
 add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ residual, const T* __restrict__ x,
                    const T* __restrict__ weight, int rows, int dim, float eps) {
-  sparkd::begin_dependent_grid();
   __shared__ float scratch[32 * 32];
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < rows;

@@ -54,7 +54,6 @@ __global__ void rope_write_kv_kernel(T* __restrict__ q_out, T* __restrict__ k_ca
                                      const float* __restrict__ cos_sin, int num_q_heads, int num_kv_heads,
                                      int head_dim, int rotary_dim, int block_size, long long q_stride,
                                      long long k_stride, long long v_stride) {
-  sparkd::begin_dependent_grid();
   const int token = blockIdx.x;
   const float* cos_sin_row = cos_sin + static_cast<long long>(positions[token]) * rotary_dim;
   const int slot = slot_mapping[token];

@@ -236,7 +236,6 @@ sample_kernel(int* __restrict__ out_tokens, float* __restrict__ out_logprobs, in
               const float* __restrict__ frequency_penalty, const int* __restrict__ prompt_ids, int prompt_len,
               const int* __restrict__ output_ids, int output_len, const int* __restrict__ banned_ids, int banned_len,
               const unsigned long long* __restrict__ seeds, const long long* __restrict__ steps, int num_top) {
-  sparkd::begin_dependent_grid();
   __shared__ SharedScratch scratch;
   const int row = blockIdx.x;
   const long long row_offset = static_cast<long long>(row) * vocab;

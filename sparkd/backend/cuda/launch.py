@@ -1,14 +1,8 @@
-"""Kernel launches: argument packing and cuLaunchKernelEx.
+"""Kernel launches: argument packing and cuLaunchKernel.
 
 Each argument is a DeviceTensor (passed as its pointer) or a numpy scalar whose
 type fixes the C type. A Python int or float is refused: its C width would be a
 guess, and a wrong guess shifts every later argument.
-
-`launch(..., programmatic=True)` asks for programmatic stream serialization on
-sm_90 and newer (programmatic dependent launch): the kernel may start while the
-one before it still runs, and must wait for it (`wait_for_previous_grid` in
-common.cuh) before it reads that kernel's results or writes anything. Only the
-skinny GEMM asks: it streams its first weights before it waits.
 """
 
 from __future__ import annotations
@@ -49,22 +43,6 @@ def dim3(value) -> tuple[int, int, int]:
     return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
 
 
-def _programmatic_launch_config() -> driver.CUlaunchConfig:
-    """A launch config asking for programmatic stream serialization where the current
-    device supports it (compute capability 9.0 and up), else with no attribute."""
-    config = driver.CUlaunchConfig()
-    device = call(driver.cuCtxGetDevice)
-    major = call(driver.cuDeviceGetAttribute,
-                 driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
-    if major >= 9:
-        attribute = driver.CUlaunchAttribute()
-        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attribute.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [attribute]
-        config.numAttrs = 1
-    return config
-
-
 class Kernel:
     """A loaded kernel function; `launch` enqueues it on a stream."""
 
@@ -72,29 +50,18 @@ class Kernel:
         self.name = name
         self.function = function
         self._dynamic_shared_limit = _DEFAULT_DYNAMIC_SHARED
-        self._plain_config = driver.CUlaunchConfig()
-        self._programmatic_config: driver.CUlaunchConfig | None = None
 
-    def launch(self, grid, block, args: Sequence, shared_mem: int = 0, stream: Stream | None = None,
-               programmatic: bool = False) -> None:
-        """stream None is the legacy default stream; the engine always passes its own.
-        programmatic: launch with programmatic stream serialization where the device has it."""
+    def launch(self, grid, block, args: Sequence, shared_mem: int = 0, stream: Stream | None = None) -> None:
+        """stream None is the legacy default stream; the engine always passes its own."""
         ensure_context()
         if shared_mem > self._dynamic_shared_limit:
             call(driver.cuFuncSetAttribute, self.function,
                  driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
             self._dynamic_shared_limit = shared_mem
         slots, pointers = pack_args(args)  # the driver copies the values during the call
-        config = self._plain_config
-        if programmatic:
-            if self._programmatic_config is None:
-                self._programmatic_config = _programmatic_launch_config()
-            config = self._programmatic_config
-        config.gridDimX, config.gridDimY, config.gridDimZ = dim3(grid)
-        config.blockDimX, config.blockDimY, config.blockDimZ = dim3(block)
-        config.sharedMemBytes = shared_mem
-        config.hStream = stream.handle if stream is not None else driver.CUstream(0)
-        check(driver.cuLaunchKernelEx(config, self.function, pointers.ctypes.data if len(slots) else 0, 0),
+        handle = stream.handle if stream is not None else driver.CUstream(0)
+        check(driver.cuLaunchKernel(self.function, *dim3(grid), *dim3(block), shared_mem, handle,
+                                    pointers.ctypes.data if len(slots) else 0, 0),
               f"launch of {self.name}")
 
     def __repr__(self) -> str:

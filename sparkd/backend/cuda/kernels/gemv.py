@@ -99,4 +99,4 @@ def gemv(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceT
     kernel = get_kernel(_spec(x.dtype, out.dtype, m_tile(m)))
     args = [out, x, weight, bias if bias is not None else np.uint64(0), i32(m), i32(n), i32(k),
             np.int64(x_row_stride(x)), np.int64(out.row_stride)]
-    kernel.launch(-(-n // _ROWS_PER_BLOCK), 32 * warps, args, stream=stream, programmatic=True)
+    kernel.launch(-(-n // _ROWS_PER_BLOCK), 32 * warps, args, stream=stream)
