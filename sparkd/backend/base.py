@@ -154,6 +154,10 @@ class Ops(Protocol):
     ) -> list[tuple[Tensor, Tensor]]:
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in `self.dtype`, zeroed."""
 
+    def check_weights_fit(self, weight_bytes: int, gpu_memory_utilization: float) -> None:
+        """ValueError naming both sizes when `weight_bytes` of weights cannot fit in device
+        memory (before any is uploaded). CPU: nothing to check."""
+
     def load_kernels(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (or read from the cache) and load every kernel now, so that no step
         waits for a compiler. progress: gets a line per kernel source. CPU: nothing to do."""

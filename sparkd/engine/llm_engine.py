@@ -26,6 +26,7 @@ import numpy as np
 from ..backend import create_backend
 from ..backend.base import Ops
 from ..models.registry import load_model
+from ..models.safetensors_reader import checkpoint_numel
 from .args import EngineArgs
 from .model_runner import LaunchedStep, ModelRunner, SampledToken, nvtx_range
 from .output_processor import OutputProcessor
@@ -67,6 +68,7 @@ def load_checkpoint(args: EngineArgs, progress: Callable[[str], None] | None = N
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}: --model must be a local Hugging Face checkpoint directory")
     ops = create_backend(args.device, args.dtype, _checkpoint_dtype(model_dir))
+    ops.check_weights_fit(checkpoint_numel(model_dir) * ops.dtype.itemsize, args.gpu_memory_utilization)
     name = args.served_model_name or (args.model if args.model else DEMO_MODEL_NAME)
     return LoadedModel(ops, load_model(model_dir, ops, progress), load_tokenizer(model_dir), name, str(model_dir))
 
@@ -153,13 +155,17 @@ class LLMEngine:
 
         The peak is a prefill step of max_num_batched_tokens tokens: per token, the
         widest intermediates alive together (gate_up and its activation, qkv, rotated
-        q, the attention output, four hidden-size tensors); plus fp32 logits and the
+        q, the attention output, four hidden-size tensors; with experts, also each of
+        the k (token, expert) pairs' hidden and fp32 output rows and the router logits); plus fp32 logits and the
         sampler's workspace for max_num_seqs rows, and the logits every decode graph
         keeps: one [bucket, V] block per batch-size bucket (1, 2, 4, then multiples of
         8 up to max_num_seqs = n), at most n^2 / 16 + 3n / 2 + 7 rows in all."""
         cfg, args = self.model_config, self.args
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         per_token = 3 * cfg.intermediate_size + qkv_width + 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.hidden_size
+        if cfg.num_experts:  # per (token, expert) pair: its SiLU'd hidden row, its fp32 output row; router logits
+            k = cfg.num_experts_per_tok
+            per_token += k * cfg.moe_intermediate_size + (2 * k * cfg.hidden_size + cfg.num_experts) * 4 // self.ops.dtype.itemsize
         activations = args.max_num_batched_tokens * per_token * self.ops.dtype.itemsize
         n = args.max_num_seqs
         logits_rows = 2 * n + n * n // 16 + 3 * n // 2 + 7

@@ -57,6 +57,12 @@ def stored_nbytes(model_dir: str | Path) -> dict[str, int]:
             for path in checkpoint_files(model_dir) for name, info in read_header(path)[0].items()}
 
 
+def checkpoint_numel(model_dir: str | Path) -> int:
+    """Elements over all the checkpoint's tensors (what the device holds, times the dtype's size)."""
+    return sum((info["data_offsets"][1] - info["data_offsets"][0]) // _STORED_DTYPES[info["dtype"]].itemsize
+               for path in checkpoint_files(model_dir) for info in read_header(path)[0].values())
+
+
 def iter_file(path: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     header, data_start = read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparkd.backend.base import AttentionMetadata
-from sparkd.backend.cuda.memory import GiB, plan_kv_cache, round_size
+from sparkd.backend.cuda.memory import GiB, check_weights_fit, plan_kv_cache, round_size
 from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.cuda.transfer import ALIGNMENT, decode, encode, pack_layout
 from sparkd.backend.dtypes import DType
@@ -38,6 +38,12 @@ def test_kv_plan_takes_weights_and_reserve_off_the_budget():
     plan = plan_kv_cache(free, total, 0.9, block_bytes=GiB // 4, reserve_bytes=2 * GiB)
     assert plan.num_blocks == (90 - 20 - 2) * 4
     assert "272 blocks" in plan.describe()
+
+
+def test_weights_that_cannot_fit_are_refused_before_loading_with_both_sizes():
+    check_weights_fit(60 * GiB, free_bytes=90 * GiB, total_bytes=100 * GiB, gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match=r"need 85.00 GiB but only 80.00 GiB .*--gpu-memory-utilization 0.9"):
+        check_weights_fit(85 * GiB, free_bytes=90 * GiB, total_bytes=100 * GiB, gpu_memory_utilization=0.9)
 
 
 def test_kv_plan_names_the_parameter_when_nothing_is_left():

@@ -113,6 +113,9 @@ class NumpyOps:
         normed = self.rmsnorm(hidden[indices], norm_weight, eps)
         return (normed @ lm_head.T).astype(np.float32, copy=False)
 
+    def check_weights_fit(self, weight_bytes: int, gpu_memory_utilization: float) -> None:
+        pass  # host memory: the OS decides
+
     def load_kernels(self, progress=None) -> None:
         pass  # numpy has nothing to compile
 

@@ -186,6 +186,18 @@ class KVCachePlan:
                 f"activation reserve {self.reserve_bytes / GiB:.2f} GiB)")
 
 
+def check_weights_fit(weight_bytes: int, free_bytes: int, total_bytes: int, gpu_memory_utilization: float) -> None:
+    """ValueError, before anything is uploaded, when the weights alone exceed what the process
+    may use (`gpu_memory_utilization * total` less what is in use already)."""
+    room = int(gpu_memory_utilization * total_bytes) - (total_bytes - free_bytes)
+    if weight_bytes > room:
+        raise ValueError(
+            f"the model's weights need {weight_bytes / GiB:.2f} GiB but only {max(room, 0) / GiB:.2f} GiB of this "
+            f"GPU's {total_bytes / GiB:.2f} GiB are available at --gpu-memory-utilization {gpu_memory_utilization} "
+            f"({(total_bytes - free_bytes) / GiB:.2f} GiB already in use): use a GPU with more memory, a smaller "
+            f"--dtype, or raise --gpu-memory-utilization")
+
+
 def plan_kv_cache(free_bytes: int, total_bytes: int, gpu_memory_utilization: float,
                   block_bytes: int, reserve_bytes: int) -> KVCachePlan:
     """Size the KV block pool from what the weights (already loaded) left.

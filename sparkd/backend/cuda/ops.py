@@ -25,7 +25,7 @@ from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
 from .kernels import activation, attention, elementwise, embedding, fault, norm, rope_kv, sampling
-from .memory import DeviceAllocator, KVCachePlan, plan_kv_cache
+from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
 from .weights import ChunkedUploader
@@ -109,6 +109,10 @@ class CudaOps:
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in self.dtype, zeroed."""
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         return [(self.zeros(shape, self.dtype), self.zeros(shape, self.dtype)) for _ in range(num_layers)]
+
+    def check_weights_fit(self, weight_bytes: int, gpu_memory_utilization: float) -> None:
+        free, total = memory_info()
+        check_weights_fit(weight_bytes, free, total, gpu_memory_utilization)
 
     def plan_kv_cache(self, block_bytes: int, gpu_memory_utilization: float, reserve_bytes: int) -> KVCachePlan:
         """Size the KV pool from free memory once the weights are loaded; logs it in GiB and blocks."""
