@@ -1,6 +1,6 @@
-"""The whole engine on the GPU: greedy parity with the CPU backend, bf16 agreement with
-fp32, KV sizing from device memory, the abort-capture guard and a lost device under
-AsyncEngine.
+"""The whole engine on the GPU, for dense and mixture-of-experts models: greedy parity
+with the CPU backend, bf16 agreement with fp32, KV sizing from device memory, the
+abort-capture guard and a lost device under AsyncEngine.
 
 fp32 runs must reproduce the CPU backend's greedy tokens exactly, through chunked
 prefill, a prefix-cache hit, preemption and decode graphs. bf16 is compared with
@@ -27,6 +27,10 @@ VARIANTS = {
         "original_max_position_embeddings": 64}},
     "Qwen2ForCausalLM": {"head_dim": 64, "tie_word_embeddings": True},
     "Qwen3ForCausalLM": {"head_dim": 64},
+    # Experts narrower than the dense MLP of layer 1, so a mix-up shows; renormalised top-2.
+    "Qwen3MoeForCausalLM": {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                            "norm_topk_prob": True, "mlp_only_layers": [1]},
+    "MixtralForCausalLM": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 BF16_MIN_TOP1_AGREEMENT = 0.99

@@ -24,7 +24,8 @@ from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
-from .kernels import activation, attention, elementwise, embedding, fault, norm, rope_kv, sampling
+from .kernels import (activation, attention, elementwise, embedding, fault, moe_gemm, moe_routing, norm, rope_kv,
+                      sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
@@ -35,9 +36,6 @@ log = logging.getLogger("sparkd.cuda")
 _MODEL_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 _SMALL_UPLOAD = 1 << 20  # per-step inputs: one pinned staging copy; larger (weights): chunked
 _MIN_ROPE_POSITIONS = 4096
-_MOE_NOT_BUILT = "mixture-of-experts kernels are not built yet on CUDA (issue 5)"
-
-
 class CudaOps:
     name = "cuda"
 
@@ -205,11 +203,33 @@ class CudaOps:
         return out
 
     def moe_route(self, router_logits: DeviceTensor, top_k: int, renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
-        raise NotImplementedError(_MOE_NOT_BUILT)
+        num_tokens, num_experts = router_logits.shape
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
+        weights = self.allocator.empty((num_tokens, top_k), DType.float32)
+        expert_ids = self.allocator.empty((num_tokens, top_k), DType.int32)
+        moe_routing.moe_route(weights, expert_ids, router_logits, renormalize, self.stream)
+        return weights, expert_ids
 
     def moe_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
                     expert_ids: DeviceTensor) -> DeviceTensor:
-        raise NotImplementedError(_MOE_NOT_BUILT)
+        """Align the (token, expert) pairs by expert, run the selected experts' GEMMs
+        (SiLU fused into gate_up) on their rows only, combine back in token order:
+        five launches, no host sync, capturable."""
+        num_tokens, top_k = expert_ids.shape
+        num_experts, inter2, hidden_size = gate_up.shape
+        num_pairs = num_tokens * top_k
+        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_pairs, num_experts)
+        moe_routing.moe_align(alignment, expert_ids, self.stream)
+        hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
+        moe_gemm.moe_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets, alignment.active_experts,
+                             alignment.num_active, top_k, self.stream)
+        expert_out = self.allocator.empty((num_pairs, hidden_size), DType.float32)
+        moe_gemm.moe_down(expert_out, hidden, down, alignment.offsets, alignment.active_experts, alignment.num_active,
+                          self.stream)
+        out = self.allocator.empty((num_tokens, hidden_size), x.dtype)
+        moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, self.stream)
+        return out
 
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)

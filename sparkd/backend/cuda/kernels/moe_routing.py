@@ -1,0 +1,176 @@
+"""Mixture-of-experts launchers around the expert GEMMs (cukernels/moe_routing.cu).
+
+A MoE block on the device runs, all on one stream and graph-capturable:
+  moe_route(weights, expert_ids, router_logits, renormalize, stream)
+      router_logits [T, E] -> weights [T, k] float32, expert_ids [T, k] int32
+      (the twin of sparkd.backend.cpu.moe.moe_route);
+  moe_align(alignment, expert_ids, stream)
+      the T*k (token, expert) pairs sorted by expert, into a `MoeAlignment`
+      (the twin of group_by_expert, plus the inverse map and the active experts);
+  the expert GEMMs (moe_gemm.py), writing expert_out [P, H] float32 in expert order;
+  moe_combine(out, expert_out, weights, row_of_pair, stream)
+      out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]], [T, H].
+Pair p = t*k + j is token t's j-th choice; P = T*k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...dtypes import DType
+from ..compiler import KernelSpec, get_kernel
+from ..driver import Stream
+from ..memory import DeviceAllocator
+from ..tensor import DeviceTensor
+from . import (
+    ACCESS_BYTES,
+    ELEMENT_TYPES,
+    i32,
+    require,
+    require_contiguous,
+    require_dtype,
+    round_up,
+)
+
+_SOURCE = "moe_routing.cu"
+MAX_EXPERTS = 1024  # kMaxExperts
+MAX_TOP_K = 16  # kMaxTopK
+_ROUTE_WARPS = 4  # kRouteWarps: tokens per block
+_ALIGN_THREADS = 1024  # kAlignThreads
+_COMBINE_WIDTH = 4  # fp32 columns of expert_out per 16-byte load
+_COMBINE_THREADS = 256
+
+_ALIGN = KernelSpec(_SOURCE, "moe_align_kernel")
+
+
+def _route_spec(dtype: DType) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"moe_route_kernel<{dtype.c_type}>")
+
+
+def _combine_spec(dtype: DType, width: int) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"moe_combine_kernel<{dtype.c_type}, {width}>")
+
+
+SPECS = ([_route_spec(dtype) for dtype in ELEMENT_TYPES] + [_ALIGN]
+         + [_combine_spec(dtype, width) for dtype in ELEMENT_TYPES for width in (1, _COMBINE_WIDTH)])
+
+
+def moe_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor, renormalize: bool,
+              stream: Stream) -> None:
+    """Each token's top-k experts: router_logits [T, E] (float32/float16/bfloat16, rows
+    may be spaced) -> weights [T, k] float32, expert_ids [T, k] int32, both contiguous.
+
+    fp32 softmax over E, the k largest probabilities in descending order, ties to
+    the lower expert id; with `renormalize` divided by their sum. E <= 1024, k <= 16."""
+    require(router_logits.ndim == 2, f"router_logits must be [T, E], got shape {router_logits.shape}")
+    require_dtype("router_logits", router_logits, *ELEMENT_TYPES)
+    require(router_logits.strides[1] == 1 or router_logits.shape[1] == 1,
+            f"router_logits needs unit column stride, got strides {router_logits.strides}")
+    num_tokens, num_experts = router_logits.shape
+    require(1 <= num_experts <= MAX_EXPERTS, f"moe_route handles 1 to {MAX_EXPERTS} experts, got E = {num_experts}")
+    require(weights.ndim == 2 and weights.shape[0] == num_tokens,
+            f"weights must be [T={num_tokens}, top_k], got shape {weights.shape}")
+    top_k = weights.shape[1]
+    require(1 <= top_k <= min(num_experts, MAX_TOP_K),
+            f"top_k must be between 1 and min(E={num_experts}, {MAX_TOP_K}), got {top_k}")
+    require(expert_ids.shape == weights.shape,
+            f"expert_ids must be [T, top_k] = {weights.shape} like weights, got {expert_ids.shape}")
+    require_dtype("weights", weights, DType.float32)
+    require_dtype("expert_ids", expert_ids, DType.int32)
+    require_contiguous("weights", weights)
+    require_contiguous("expert_ids", expert_ids)
+    if num_tokens == 0:
+        return
+    row_stride = router_logits.row_stride if num_tokens > 1 else num_experts
+    get_kernel(_route_spec(router_logits.dtype)).launch(
+        -(-num_tokens // _ROUTE_WARPS), 32 * _ROUTE_WARPS,
+        [weights, expert_ids, router_logits, i32(num_tokens), i32(num_experts), i32(top_k), np.int64(row_stride),
+         i32(bool(renormalize))], stream=stream)
+
+
+@dataclass
+class MoeAlignment:
+    """The T*k pairs sorted by expert, for P pairs and E experts; int32 views of one
+    allocation, written whole by `moe_align`:
+
+    offsets [E+1]              rows of expert e are offsets[e] .. offsets[e+1]-1;
+    sorted_pairs [P]           the pair in each row (order within an expert is not fixed);
+    row_of_pair [P]            the row of each pair (the inverse of sorted_pairs);
+    active_experts [min(E, P)] the experts with >= 1 pair, ascending; entries from
+                               num_active on are unused;
+    num_active [1]             how many experts have pairs."""
+
+    offsets: DeviceTensor
+    sorted_pairs: DeviceTensor
+    row_of_pair: DeviceTensor
+    active_experts: DeviceTensor
+    num_active: DeviceTensor
+
+    @property
+    def num_pairs(self) -> int:
+        return self.sorted_pairs.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    @classmethod
+    def allocate(cls, allocator: DeviceAllocator, num_pairs: int, num_experts: int) -> MoeAlignment:
+        require(num_pairs >= 0, f"num_pairs must not be negative, got {num_pairs}")
+        require(1 <= num_experts <= MAX_EXPERTS, f"moe_align handles 1 to {MAX_EXPERTS} experts, got E = {num_experts}")
+        sizes = [num_experts + 1, num_pairs, num_pairs, min(num_experts, num_pairs), 1]
+        storage = allocator.empty((sum(sizes),), DType.int32)
+        views, offset = [], 0
+        for size in sizes:
+            views.append(DeviceTensor(storage.ptr + 4 * offset, (size,), DType.int32, None, storage.owner))
+            offset += size
+        return cls(*views)
+
+
+def moe_align(alignment: MoeAlignment, expert_ids: DeviceTensor, stream: Stream) -> None:
+    """Sort the pairs of expert_ids [T, k] int32 (contiguous, ids in [0, E)) by expert into
+    `alignment` (sized for P = T*k pairs and E experts). One block; no host sync.
+
+    A pair whose id lies outside [0, E) gets row -1 and no row (the device cannot raise)."""
+    require_dtype("expert_ids", expert_ids, DType.int32)
+    require_contiguous("expert_ids", expert_ids)
+    require(expert_ids.numel == alignment.num_pairs,
+            f"expert_ids has {expert_ids.numel} pairs but the alignment is sized for {alignment.num_pairs}")
+    get_kernel(_ALIGN).launch(
+        1, _ALIGN_THREADS,
+        [alignment.offsets, alignment.sorted_pairs, alignment.row_of_pair, alignment.active_experts,
+         alignment.num_active, expert_ids, i32(alignment.num_pairs), i32(alignment.num_experts)], stream=stream)
+
+
+def moe_combine(out: DeviceTensor, expert_out: DeviceTensor, weights: DeviceTensor, row_of_pair: DeviceTensor,
+                stream: Stream) -> None:
+    """out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]], j = 0..k-1 in fp32:
+    out [T, H] (float32/float16/bfloat16), expert_out [P, H] float32, weights [T, k] float32,
+    row_of_pair [P] int32 (a `MoeAlignment`'s); all contiguous."""
+    require(out.ndim == 2 and expert_out.ndim == 2 and weights.ndim == 2,
+            f"out [T, H], expert_out [P, H] and weights [T, k] must be 2-D, got {out.shape}, {expert_out.shape}, "
+            f"{weights.shape}")
+    num_tokens, hidden = out.shape
+    top_k = weights.shape[1]
+    num_pairs = num_tokens * top_k
+    require(weights.shape[0] == num_tokens, f"weights must be [T={num_tokens}, k], got shape {weights.shape}")
+    require(expert_out.shape == (num_pairs, hidden),
+            f"expert_out must be [T*k, H] = {(num_pairs, hidden)}, got {expert_out.shape}")
+    require(row_of_pair.shape == (num_pairs,), f"row_of_pair must be [T*k] = [{num_pairs}], got {row_of_pair.shape}")
+    require_dtype("out", out, *ELEMENT_TYPES)
+    require_dtype("expert_out", expert_out, DType.float32)
+    require_dtype("weights", weights, DType.float32)
+    require_dtype("row_of_pair", row_of_pair, DType.int32)
+    for name, tensor in (("out", out), ("expert_out", expert_out), ("weights", weights), ("row_of_pair", row_of_pair)):
+        require_contiguous(name, tensor)
+    if out.numel == 0:
+        return
+    vectorised = (hidden % _COMBINE_WIDTH == 0 and expert_out.ptr % ACCESS_BYTES == 0
+                  and out.ptr % (_COMBINE_WIDTH * out.dtype.itemsize) == 0)
+    width = _COMBINE_WIDTH if vectorised else 1
+    threads = min(_COMBINE_THREADS, round_up(hidden // width, 32))
+    get_kernel(_combine_spec(out.dtype, width)).launch(
+        (num_tokens, -(-hidden // (width * threads))), threads,
+        [out, expert_out, weights, row_of_pair, i32(hidden), i32(top_k)], stream=stream)

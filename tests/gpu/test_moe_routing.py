@@ -1,0 +1,296 @@
+"""MoE routing, alignment and combine kernels (cukernels/moe_routing.cu) against numpy.
+
+- Routing against `sparkd.backend.cpu.moe.moe_route` run on the logits as the device
+  holds them: expert ids exactly, weights within 1e-6 (both sides compute in fp32
+  from the same values, whatever the storage dtype).
+- Alignment against `group_by_expert`: the same offsets, the same set of pairs per
+  expert, row_of_pair the inverse of sorted_pairs, the active experts in order.
+- Combine against a float32 numpy loop that rounds each product and sum as the
+  kernel does: bit-exact, also after rounding to bf16/fp16.
+- The three launches, with a stand-in for the expert GEMMs, captured in a CUDA graph
+  and replayed on new inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparkd.backend.cpu.moe import group_by_expert, moe_route
+from sparkd.backend.cuda.kernels import moe_routing
+from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
+from sparkd.backend.cuda.transfer import copy_to_device, decode, encode
+from sparkd.backend.dtypes import DType
+
+DTYPES = ["float32", "bfloat16", "float16"]
+WEIGHT_ATOL = 1e-6
+POISON = -7  # what the alignment buffers hold before a launch: the kernel must overwrite all it promises
+
+
+def separated_logits(rng, num_tokens: int, num_experts: int) -> np.ndarray:
+    """[T, E] float32: each row a shuffle of E values 8/E apart in [-4, 4), shifted.
+
+    No two distinct logits are within rounding of each other, so the softmax order
+    is the same on both sides; in bf16/fp16 some become exactly equal, a tie both
+    sides give to the lower id."""
+    grid = (np.arange(num_experts) + 0.5) * (8.0 / num_experts) - 4.0
+    rows = np.stack([rng.permutation(grid) for _ in range(num_tokens)]) + rng.uniform(-1, 1, (num_tokens, 1))
+    return rows.astype(np.float32)
+
+
+def route_on_device(gpu, logits_dev, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    num_tokens = logits_dev.shape[0]
+    weights, expert_ids = gpu.empty((num_tokens, top_k), DType.float32), gpu.empty((num_tokens, top_k), DType.int32)
+    moe_routing.moe_route(weights, expert_ids, logits_dev, renormalize, gpu.stream)
+    return gpu.download(weights), gpu.download(expert_ids)
+
+
+def check_route(gpu, logits_dev, top_k: int) -> None:
+    """Both renormalisation modes against the numpy twin on the stored logits."""
+    stored = gpu.download(logits_dev).astype(np.float32)
+    for renormalize in (False, True):
+        weights, expert_ids = route_on_device(gpu, logits_dev, top_k, renormalize)
+        expected_weights, expected_ids = moe_route(stored, top_k, renormalize)
+        np.testing.assert_array_equal(expert_ids, expected_ids)
+        np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=WEIGHT_ATOL)
+
+
+# ---- routing ----
+
+ROUTE_SHAPES = [(num_experts, top_k) for num_experts in (8, 128, 512) for top_k in (1, 2, 8, 10)
+                if top_k <= num_experts]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_experts,top_k", ROUTE_SHAPES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+def test_route_matches_numpy(gpu, dtype, num_experts, top_k, num_tokens):
+    rng = np.random.default_rng(num_experts * 1000 + top_k * 10 + num_tokens)
+    check_route(gpu, gpu.upload(separated_logits(rng, num_tokens, num_experts), dtype), top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts,top_k", [(1024, 16), (33, 16), (1, 1)])
+def test_route_at_the_limits(gpu, num_experts, top_k):
+    """The most experts and choices, an E that leaves one expert in a lane's last slot, one expert."""
+    check_route(gpu, gpu.upload(separated_logits(np.random.default_rng(num_experts), 20, num_experts)), top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 8), (128, 10), (1024, 16)])
+def test_equal_logits_go_to_the_lower_expert_id(gpu, dtype, num_experts, top_k):
+    rng = np.random.default_rng(num_experts)
+    logits = rng.integers(-3, 3, size=(12, num_experts)).astype(np.float32)  # rows full of ties
+    logits[0] = 0.0
+    logits[1] = np.arange(num_experts) % 4
+    logits[2] = -1.0
+    top = [i for i in (num_experts - 1, 5, 37, 69, 100) if i < num_experts]
+    logits[2, top] = 2.0  # the maximum in several lanes and slots
+    logits[3] = -1.0
+    logits[3, num_experts // 2], logits[3, num_experts // 4] = 0.0, -0.0  # +0 and -0 compare equal
+    logits_dev = gpu.upload(logits, dtype)
+    check_route(gpu, logits_dev, top_k)
+
+    _, expert_ids = route_on_device(gpu, logits_dev, top_k, renormalize=False)
+    np.testing.assert_array_equal(expert_ids[0], np.arange(top_k))
+    by_value = np.concatenate([np.arange(value, num_experts, 4) for value in (3, 2, 1, 0)])
+    np.testing.assert_array_equal(expert_ids[1], by_value[:top_k])
+    assert expert_ids[2, :len(top)].tolist() == sorted(top)
+    assert expert_ids[3, :2].tolist() == [num_experts // 4, num_experts // 2]
+
+
+@pytest.mark.gpu
+def test_route_reads_spaced_rows(gpu):
+    """router_logits as a column slice of a wider matrix (a fused projection's output)."""
+    rng = np.random.default_rng(3)
+    wide = np.concatenate([rng.standard_normal((9, 5)), separated_logits(rng, 9, 64), rng.standard_normal((9, 3))],
+                          axis=1).astype(np.float32)
+    check_route(gpu, gpu.upload(wide).column_slice(5, 64), 6)
+
+
+# ---- alignment ----
+
+def poisoned_alignment(gpu, num_pairs: int, num_experts: int) -> MoeAlignment:
+    alignment = MoeAlignment.allocate(gpu.allocator, num_pairs, num_experts)
+    for view in (alignment.offsets, alignment.sorted_pairs, alignment.row_of_pair, alignment.active_experts,
+                 alignment.num_active):
+        copy_to_device(view, np.full(view.shape, POISON, np.int32), gpu.stream)
+    gpu.stream.synchronize()  # the host arrays are pageable temporaries
+    return alignment
+
+
+def align_on_device(gpu, expert_ids: np.ndarray, num_experts: int) -> dict[str, np.ndarray]:
+    alignment = poisoned_alignment(gpu, expert_ids.size, num_experts)
+    moe_routing.moe_align(alignment, gpu.upload(expert_ids.astype(np.int32)), gpu.stream)
+    return {name: gpu.download(getattr(alignment, name)) for name in
+            ("offsets", "sorted_pairs", "row_of_pair", "active_experts", "num_active")}
+
+
+def check_alignment(result: dict[str, np.ndarray], expert_ids: np.ndarray, num_experts: int) -> None:
+    expected_pairs, expected_offsets = group_by_expert(expert_ids, num_experts)
+    offsets, sorted_pairs = result["offsets"], result["sorted_pairs"]
+    np.testing.assert_array_equal(offsets, expected_offsets)
+    for expert in range(num_experts):
+        rows = slice(offsets[expert], offsets[expert + 1])
+        np.testing.assert_array_equal(np.sort(sorted_pairs[rows]), expected_pairs[rows])  # token order there
+    np.testing.assert_array_equal(result["row_of_pair"][sorted_pairs], np.arange(expert_ids.size))
+    active = np.flatnonzero(np.diff(expected_offsets))
+    assert result["num_active"].tolist() == [active.size]
+    np.testing.assert_array_equal(result["active_experts"][:active.size], active)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 8), (1, 8, 128), (7, 2, 8), (64, 8, 128),
+                                                          (300, 10, 512), (300, 8, 128), (4096, 2, 8)])
+def test_alignment_groups_routed_pairs_like_numpy(gpu, num_tokens, top_k, num_experts):
+    """From real routing: P below and above E, and 8192 pairs over the block's 1024 threads."""
+    rng = np.random.default_rng(num_tokens + top_k + num_experts)
+    _, expert_ids = moe_route(separated_logits(rng, num_tokens, num_experts), top_k, False)
+    check_alignment(align_on_device(gpu, expert_ids, num_experts), expert_ids, num_experts)
+
+
+@pytest.mark.gpu
+def test_alignment_with_idle_experts_and_one_expert_for_every_token(gpu):
+    rng = np.random.default_rng(4)
+    num_tokens, top_k, num_experts, hot = 300, 4, 64, 5
+    others = np.stack([rng.choice([e for e in range(20) if e != hot], top_k - 1, replace=False)
+                       for _ in range(num_tokens)])
+    expert_ids = np.concatenate([np.full((num_tokens, 1), hot), others], axis=1)
+    rng.permuted(expert_ids, axis=1, out=expert_ids)  # the hot expert in every slot position
+    result = align_on_device(gpu, expert_ids, num_experts)
+    check_alignment(result, expert_ids, num_experts)
+    counts = np.diff(result["offsets"])
+    assert counts[hot] == num_tokens and not counts[20:].any()
+
+
+@pytest.mark.gpu
+def test_pairs_outside_the_experts_get_no_row_and_add_nothing(gpu):
+    """The device cannot raise: an id outside [0, E) is left out of the sort and the sum."""
+    num_experts, top_k, hidden = 16, 3, 8
+    rng = np.random.default_rng(5)
+    expert_ids = rng.integers(0, num_experts, size=(10, top_k))
+    expert_ids[2, 1], expert_ids[7, 0], expert_ids[7, 2] = -1, num_experts, 1 << 30
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    result = align_on_device(gpu, expert_ids, num_experts)
+
+    row_of_pair, offsets = result["row_of_pair"], result["offsets"]
+    assert (row_of_pair[~valid.reshape(-1)] == -1).all()
+    np.testing.assert_array_equal(np.diff(offsets), np.bincount(expert_ids[valid], minlength=num_experts))
+    assert offsets[0] == 0
+    rows = result["sorted_pairs"][:offsets[-1]]
+    np.testing.assert_array_equal(expert_ids.reshape(-1)[rows], np.repeat(np.arange(num_experts), np.diff(offsets)))
+    np.testing.assert_array_equal(np.sort(rows), np.flatnonzero(valid))
+    np.testing.assert_array_equal(row_of_pair[rows], np.arange(rows.size))
+
+    weights = rng.uniform(0.1, 1, size=expert_ids.shape).astype(np.float32)
+    expert_out = rng.standard_normal((expert_ids.size, hidden)).astype(np.float32)
+    out = combine_on_device(gpu, expert_out, weights, row_of_pair, "float32")
+    np.testing.assert_array_equal(out, reference_combine(expert_out, weights * valid, np.maximum(row_of_pair, 0)))
+
+
+# ---- combine ----
+
+def combine_on_device(gpu, expert_out, weights, row_of_pair, dtype) -> np.ndarray:
+    out = gpu.empty((weights.shape[0], expert_out.shape[1]), dtype)
+    moe_routing.moe_combine(out, gpu.upload(expert_out), gpu.upload(weights), gpu.upload(row_of_pair.astype(np.int32)),
+                            gpu.stream)
+    return gpu.download(out)
+
+
+def reference_combine(expert_out, weights, row_of_pair) -> np.ndarray:
+    """out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]] in float32, j in order,
+    each product and each sum rounded on its own."""
+    num_tokens, top_k = weights.shape
+    rows = expert_out[row_of_pair.reshape(num_tokens, top_k)]  # [T, k, H]
+    out = np.zeros((num_tokens, expert_out.shape[1]), np.float32)
+    for j in range(top_k):
+        out = out + weights[:, j, None] * rows[:, j]
+    return out
+
+
+def as_stored(array: np.ndarray, dtype: str) -> np.ndarray:
+    """What a float32 array becomes in the device's `dtype` (round to nearest even), as float32."""
+    target = DType.parse(dtype)
+    return decode(encode(array, target), target).astype(np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 8, 4096), (7, 2, 130), (64, 10, 256), (300, 1, 64),
+                                                     (5, 16, 1026)])
+def test_combine_matches_numpy_bit_for_bit(gpu, dtype, num_tokens, top_k, hidden):
+    """H of 130 and 1026 take the scalar path (rows not 16-byte multiples), the others the vector one."""
+    rng = np.random.default_rng(num_tokens * top_k + hidden)
+    num_pairs = num_tokens * top_k
+    expert_out = rng.standard_normal((num_pairs, hidden)).astype(np.float32)
+    weights = rng.dirichlet(np.ones(top_k), size=num_tokens).astype(np.float32)
+    row_of_pair = rng.permutation(num_pairs)
+    out = combine_on_device(gpu, expert_out, weights, row_of_pair, dtype)
+    np.testing.assert_array_equal(out.astype(np.float32),
+                                  as_stored(reference_combine(expert_out, weights, row_of_pair), dtype))
+
+
+# ---- the whole chain in a CUDA graph ----
+
+# A stand-in for the expert GEMMs that walks the alignment as they do:
+# expert_out[row] = (e + 1) * x[token of row] for the rows of each active expert e.
+FAKE_EXPERTS = """
+__global__ void fake_experts(float* expert_out, const float* x, const int* offsets, const int* sorted_pairs,
+                             const int* active_experts, const int* num_active, int top_k, int hidden) {
+  if (blockIdx.x >= *num_active) return;
+  const int expert = active_experts[blockIdx.x];
+  for (int row = offsets[expert]; row < offsets[expert + 1]; ++row) {
+    const int token = sorted_pairs[row] / top_k;
+    for (int h = threadIdx.x; h < hidden; h += blockDim.x)
+      expert_out[row * hidden + h] = (expert + 1) * x[token * hidden + h];
+  }
+}
+"""
+
+
+@pytest.mark.gpu
+def test_route_align_combine_replay_in_a_cuda_graph(gpu, compile_test_kernel, rel_error, tolerance):
+    from sparkd.backend.cuda.graphs import capture
+
+    num_tokens, top_k, num_experts, hidden = 64, 8, 128, 256
+    num_pairs = num_tokens * top_k
+    fake_experts = compile_test_kernel(FAKE_EXPERTS, "fake_experts")
+    logits = gpu.empty((num_tokens, num_experts), DType.bfloat16)
+    x = gpu.empty((num_tokens, hidden), DType.float32)
+    weights, expert_ids = gpu.empty((num_tokens, top_k), DType.float32), gpu.empty((num_tokens, top_k), DType.int32)
+    alignment = poisoned_alignment(gpu, num_pairs, num_experts)
+    expert_out = gpu.empty((num_pairs, hidden), DType.float32)
+    out = gpu.empty((num_tokens, hidden), DType.float32)
+
+    def moe_block():
+        moe_routing.moe_route(weights, expert_ids, logits, True, gpu.stream)
+        moe_routing.moe_align(alignment, expert_ids, gpu.stream)
+        fake_experts.launch(min(num_experts, num_pairs), 128,
+                            [expert_out, x, alignment.offsets, alignment.sorted_pairs, alignment.active_experts,
+                             alignment.num_active, np.int32(top_k), np.int32(hidden)], stream=gpu.stream)
+        moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, gpu.stream)
+
+    rng = np.random.default_rng(6)
+
+    def new_inputs():
+        host_logits = encode(separated_logits(rng, num_tokens, num_experts), DType.bfloat16)
+        host_x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
+        copy_to_device(logits, host_logits, gpu.stream)
+        copy_to_device(x, host_x, gpu.stream)
+        gpu.stream.synchronize()  # the host arrays are pageable temporaries
+        expected_weights, expected_ids = moe_route(decode(host_logits, DType.bfloat16), top_k, True)
+        return ((expected_weights * (expected_ids + 1)).sum(axis=1, dtype=np.float64)[:, None] * host_x)
+
+    expected = new_inputs()
+    moe_block()  # eager first: loads the kernels outside the capture, as the warm-up does
+    assert rel_error(gpu.download(out), expected) <= tolerance["float32"]
+    graph, _ = capture(gpu.stream, moe_block)
+    try:
+        for _ in range(3):
+            expected = new_inputs()
+            graph.replay(gpu.stream)
+            assert rel_error(gpu.download(out), expected) <= tolerance["float32"]
+    finally:
+        graph.destroy()

@@ -1,0 +1,120 @@
+"""Host side of the MoE routing launchers (sparkd/backend/cuda/kernels/moe_routing.py), no GPU:
+the preconditions each launcher checks before it launches, and the layout of the
+alignment buffers. Tensors here point nowhere; a check that let one through would
+reach the driver and fail there instead of raising ValueError."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+from sparkd.backend.cuda.kernels import moe_routing
+from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
+from sparkd.backend.cuda.tensor import DeviceTensor
+from sparkd.backend.dtypes import DType
+
+
+def fake(shape, dtype="float32", ptr=0x10000, strides=None) -> DeviceTensor:
+    return DeviceTensor(ptr, shape, DType.parse(dtype), strides)
+
+
+class FakeAllocator:
+    """Hands out consecutive addresses, as DeviceAllocator.empty does real memory."""
+
+    def __init__(self):
+        self.next_ptr = 0x100000
+        self.allocations = []
+
+    def empty(self, shape, dtype) -> DeviceTensor:
+        tensor = fake(shape, dtype.name, ptr=self.next_ptr)
+        self.next_ptr += 256 * (-(-tensor.nbytes // 256))
+        self.allocations.append(tensor)
+        return tensor
+
+
+def route(logits, weights=None, expert_ids=None):
+    num_tokens = logits.shape[0]
+    weights = weights if weights is not None else fake((num_tokens, 2))
+    expert_ids = expert_ids if expert_ids is not None else fake(weights.shape, "int32")
+    moe_routing.moe_route(weights, expert_ids, logits, True, None)
+
+
+@pytest.mark.parametrize("logits,weights,expert_ids,message", [
+    (fake((4, 8, 1)), None, None, r"router_logits must be \[T, E\]"),
+    (fake((4, 8), "int32"), None, None, "router_logits must be float32 or float16 or bfloat16, got int32"),
+    (fake((4, 8), strides=(16, 2)), None, None, "unit column stride"),
+    (fake((4, 1025)), None, None, "1 to 1024 experts, got E = 1025"),
+    (fake((4, 8)), fake((3, 2)), None, r"weights must be \[T=4, top_k\]"),
+    (fake((4, 8)), fake((4, 9)), fake((4, 9), "int32"), r"top_k must be between 1 and min\(E=8, 16\), got 9"),
+    (fake((4, 64)), fake((4, 17)), fake((4, 17), "int32"), r"top_k must be between 1 and min\(E=64, 16\), got 17"),
+    (fake((4, 8)), fake((4, 0)), fake((4, 0), "int32"), "got 0"),
+    (fake((4, 8)), None, fake((4, 3), "int32"), r"expert_ids must be \[T, top_k\] = \(4, 2\)"),
+    (fake((4, 8)), fake((4, 2), "bfloat16"), None, "weights must be float32, got bfloat16"),
+    (fake((4, 8)), None, fake((4, 2), "float32"), "expert_ids must be int32, got float32"),
+    (fake((4, 8)), fake((4, 2), strides=(4, 1)), None, "weights must be contiguous"),
+])
+def test_route_rejects_bad_operands(logits, weights, expert_ids, message):
+    with pytest.raises(ValueError, match=message):
+        route(logits, weights, expert_ids)
+
+
+def test_alignment_views_share_one_allocation():
+    allocator = FakeAllocator()
+    alignment = MoeAlignment.allocate(allocator, num_pairs=12, num_experts=64)
+    [storage] = allocator.allocations
+    assert storage.dtype is DType.int32 and storage.shape == (65 + 12 + 12 + 12 + 1,)
+    views = [alignment.offsets, alignment.sorted_pairs, alignment.row_of_pair, alignment.active_experts,
+             alignment.num_active]
+    assert [v.shape for v in views] == [(65,), (12,), (12,), (12,), (1,)]  # min(E, P) active slots
+    assert [v.ptr - storage.ptr for v in views] == [0, 4 * 65, 4 * 77, 4 * 89, 4 * 101]
+    assert all(v.dtype is DType.int32 and v.is_contiguous for v in views)
+    assert (alignment.num_pairs, alignment.num_experts) == (12, 64)
+    assert MoeAlignment.allocate(allocator, 300, 8).active_experts.shape == (8,)
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,message", [
+    (-1, 8, "num_pairs must not be negative"),
+    (4, 0, "1 to 1024 experts, got E = 0"),
+    (4, 1025, "1 to 1024 experts, got E = 1025"),
+])
+def test_alignment_rejects_bad_sizes(num_pairs, num_experts, message):
+    with pytest.raises(ValueError, match=message):
+        MoeAlignment.allocate(FakeAllocator(), num_pairs, num_experts)
+
+
+def test_align_rejects_ids_that_do_not_fit_the_alignment():
+    alignment = MoeAlignment.allocate(FakeAllocator(), 12, 8)
+    with pytest.raises(ValueError, match="expert_ids has 10 pairs but the alignment is sized for 12"):
+        moe_routing.moe_align(alignment, fake((5, 2), "int32"), None)
+    with pytest.raises(ValueError, match="expert_ids must be int32, got int64"):
+        moe_routing.moe_align(alignment, fake((6, 2), "int64"), None)
+    with pytest.raises(ValueError, match="expert_ids must be contiguous"):
+        moe_routing.moe_align(alignment, fake((6, 2), "int32", strides=(4, 1)), None)
+
+
+def combine(out=None, expert_out=None, weights=None, row_of_pair=None):
+    """Defaults: T = 3 tokens, k = 2, H = 16."""
+    moe_routing.moe_combine(out if out is not None else fake((3, 16), "bfloat16"),
+                            expert_out if expert_out is not None else fake((6, 16)),
+                            weights if weights is not None else fake((3, 2)),
+                            row_of_pair if row_of_pair is not None else fake((6,), "int32"), None)
+
+
+@pytest.mark.parametrize("operands,message", [
+    ({"out": fake((3, 16, 1))}, "must be 2-D"),
+    ({"weights": fake((4, 2))}, r"weights must be \[T=3, k\]"),
+    ({"expert_out": fake((6, 15))}, r"expert_out must be \[T\*k, H\] = \(6, 16\)"),
+    ({"weights": fake((3, 3))}, r"expert_out must be \[T\*k, H\] = \(9, 16\)"),
+    ({"row_of_pair": fake((5,), "int32")}, r"row_of_pair must be \[T\*k\] = \[6\]"),
+    ({"out": fake((3, 16), "int32")}, "out must be float32 or float16 or bfloat16, got int32"),
+    ({"expert_out": fake((6, 16), "bfloat16")}, "expert_out must be float32, got bfloat16"),
+    ({"weights": fake((3, 2), "float16")}, "weights must be float32, got float16"),
+    ({"row_of_pair": fake((6,), "int64")}, "row_of_pair must be int32, got int64"),
+    ({"out": fake((3, 16), "bfloat16", strides=(32, 1))}, "out must be contiguous"),
+    ({"expert_out": fake((6, 16), strides=(1, 6))}, "expert_out must be contiguous"),
+])
+def test_combine_rejects_bad_operands(operands, message):
+    with pytest.raises(ValueError, match=message):
+        combine(**operands)
+
