@@ -96,6 +96,19 @@ __device__ __forceinline__ bool slot_rows(const int* active_experts, const int* 
   return true;
 }
 
+// The block's sums of one tile: totals(m, r) = act[row0 + m] . w[r], over the warps' partials.
+// (A struct, not a generic lambda: NVRTC's JIT mode takes a generic lambda for host code.)
+template <int kM>
+struct TileSums {
+  const float (*partial)[kM * kRows];
+  int num_warps;
+  __device__ __forceinline__ float operator()(int m, int r) const {
+    float sum = 0.f;
+    for (int p = 0; p < num_warps; ++p) sum += partial[p][m * kRows + r];
+    return sum;
+  }
+};
+
 // Runs the sorted rows [begin, end) of one expert against the block's weight rows w,
 // kM rows per pass over w. act_row(row) -> const T*: the activation row of a sorted row.
 // store(totals, row0, num_rows) writes the tile's results, where totals(m, r) is the
@@ -105,11 +118,7 @@ __device__ __forceinline__ void run_expert_rows(const T* const (&w)[kRows], int 
                                                 ActRow act_row, Store store) {
   __shared__ float partial[kMaxWarps][kM * kRows];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
-  const auto totals = [&](int m, int r) {
-    float sum = 0.f;
-    for (int p = 0; p < num_warps; ++p) sum += partial[p][m * kRows + r];
-    return sum;
-  };
+  const TileSums<kM> totals{partial, num_warps};
   for (int row0 = begin; row0 < end; row0 += kM) {
     const int num_rows = min(kM, end - row0);
     const T* act[kM];
@@ -155,7 +164,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
     w[kGateUpCols + c] = expert_w + static_cast<long long>(inter_size + col0 + c) * hidden_size;
   }
   const auto x_row = [&](int row) { return x + static_cast<long long>(sorted_pairs[row] / top_k) * ld_x; };
-  const auto store = [&](const auto& totals, int row0, int num_rows) {
+  const auto store = [&](const TileSums<kM>& totals, int row0, int num_rows) {
     for (int i = threadIdx.x; i < num_rows * kGateUpCols; i += blockDim.x) {
       const int m = i / kGateUpCols, c = i % kGateUpCols;
       const float gate = totals(m, c), up = totals(m, kGateUpCols + c);
@@ -184,7 +193,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps)
     w[r] = down + (static_cast<long long>(expert) * hidden_size + h0 + r) * inter_size;
   }
   const auto hidden_row = [&](int row) { return hidden + static_cast<long long>(row) * inter_size; };
-  const auto store = [&](const auto& totals, int row0, int num_rows) {
+  const auto store = [&](const TileSums<kM>& totals, int row0, int num_rows) {
     for (int i = threadIdx.x; i < num_rows * kRows; i += blockDim.x) {
       const int m = i / kRows, r = i % kRows;
       expert_out[static_cast<long long>(row0 + m) * hidden_size + h0 + r] = totals(m, r);
