@@ -184,8 +184,9 @@ class Ops(Protocol):
         """residual' = x + residual; y = rmsnorm(residual'). Returns (y, residual').
         A backend may update `residual` in place and return it as residual'."""
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N]."""
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: np.dtype | None = None) -> Tensor:
+        """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N] in x's dtype, or in
+        `out_dtype` float32 (accumulated and kept in fp32, e.g. router logits)."""
 
     def split_heads(self, qkv: Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
         """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
+
 from ..backend.base import Ops, Tensor
 from .config import ModelConfig
 from .dense import DenseForCausalLM, Weights, take
@@ -47,7 +49,8 @@ class SparseMoeBlock:
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, H] -> sum over each token's k experts of weight * expert(x), [T, H]."""
-        router_logits = self.ops.linear(x, self.router)  # [T, E]
+        # fp32 logits: a bf16 rounding would flip the choice between near-tied experts.
+        router_logits = self.ops.linear(x, self.router, out_dtype=np.float32)  # [T, E]
         weights, expert_ids = self.ops.moe_route(router_logits, self.top_k, self.renormalize)  # [T, k] each
         return self.ops.moe_experts(x, self.gate_up_proj, self.down_proj, weights, expert_ids)
 

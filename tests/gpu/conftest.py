@@ -54,8 +54,13 @@ class GpuHarness:
         return out
 
     def download(self, tensor) -> np.ndarray:
-        from sparkd.backend.cuda.transfer import copy_to_host, decode
+        """bf16 comes back as float32; a row-strided view (a column slice) is gathered first."""
+        from sparkd.backend.cuda.transfer import copy_device, copy_to_host, decode
 
+        if not tensor.is_contiguous:
+            packed = self.allocator.empty(tensor.shape, tensor.dtype)
+            copy_device(packed, tensor, self.stream)
+            tensor = packed
         raw = np.empty(tensor.shape, dtype=tensor.dtype.host)
         copy_to_host(raw, tensor, self.stream)
         return decode(raw, tensor.dtype)

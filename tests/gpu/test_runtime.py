@@ -42,7 +42,7 @@ def test_kv_plan_takes_weights_and_reserve_off_the_budget():
 
 def test_weights_that_cannot_fit_are_refused_before_loading_with_both_sizes():
     check_weights_fit(60 * GiB, free_bytes=90 * GiB, total_bytes=100 * GiB, gpu_memory_utilization=0.9)
-    with pytest.raises(ValueError, match=r"need 85.00 GiB but only 80.00 GiB .*--gpu-memory-utilization 0.9"):
+    with pytest.raises(ValueError, match=r"need 85.00 GiB but only 80.00 GiB .*gpu_memory_utilization=0.9"):
         check_weights_fit(85 * GiB, free_bytes=90 * GiB, total_bytes=100 * GiB, gpu_memory_utilization=0.9)
 
 

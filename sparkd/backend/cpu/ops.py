@@ -61,7 +61,8 @@ class NumpyOps:
         residual = x + residual
         return self.rmsnorm(residual, weight, eps), residual
 
-    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
+               out_dtype=None) -> np.ndarray:  # float32 already
         y = x @ weight.T
         if bias is not None:
             y += bias

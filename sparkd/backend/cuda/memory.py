@@ -193,7 +193,7 @@ def check_weights_fit(weight_bytes: int, free_bytes: int, total_bytes: int, gpu_
     if weight_bytes > room:
         raise ValueError(
             f"the model's weights need {weight_bytes / GiB:.2f} GiB but only {max(room, 0) / GiB:.2f} GiB of this "
-            f"GPU's {total_bytes / GiB:.2f} GiB are available at --gpu-memory-utilization {gpu_memory_utilization} "
+            f"GPU's {total_bytes / GiB:.2f} GiB are available at gpu_memory_utilization={gpu_memory_utilization} "
             f"({(total_bytes - free_bytes) / GiB:.2f} GiB already in use): use a GPU with more memory, a smaller "
             f"--dtype, or raise --gpu-memory-utilization")
 

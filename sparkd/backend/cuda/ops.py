@@ -160,9 +160,10 @@ class CudaOps:
         norm.add_rmsnorm(out, residual, x, weight, eps, self.stream)
         return out, residual
 
-    def linear(self, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None) -> DeviceTensor:
-        """x [T, K] (rows may be spaced), weight [N, K], bias [N] -> [T, N]."""
-        out = self.allocator.empty((x.shape[0], weight.shape[0]), x.dtype)
+    def linear(self, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None,
+               out_dtype=None) -> DeviceTensor:
+        """x [T, K] (rows may be spaced), weight [N, K], bias [N] -> [T, N] in x's dtype or out_dtype."""
+        out = self.allocator.empty((x.shape[0], weight.shape[0]), as_dtype(out_dtype) if out_dtype else x.dtype)
         self.gemm(out, x, weight, bias)
         return out
 
