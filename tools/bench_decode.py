@@ -66,19 +66,23 @@ BATCH1_ROOFLINE, BATCH1_TOKENS_PER_S, VS_TRANSFORMERS = 0.85, 225.0, 1.8
 BATCH64_ROOFLINE, PREFILL_GEMM = 0.70, 0.55
 
 
-def random_device_weights(config: ModelConfig, ops: CudaOps, seed: int = 0) -> dict[str, DeviceTensor]:
+def random_device_weights(config: ModelConfig, ops: CudaOps, seed: int = 0,
+                          mlp_weights=None) -> dict[str, DeviceTensor]:
     """Every weight DenseForCausalLM takes, made on the device in ops.dtype: matrices
     ~ N(0, 1/fan_in) (the embedding N(0, 1)), norms 1, biases 0. One noise pattern per
     fan-in is uploaded and tiled over each matrix by device copies: 16 GB in well under
-    a second, with no host copy of the model."""
+    a second, with no host copy of the model.
+
+    mlp_weights(prefix, matrix) -> {name: tensor}: a layer's MLP weights in place of the
+    dense MLP's (mixture of experts), matrix(shape, fan_in) making each."""
     rng = np.random.default_rng(seed)
     patterns: dict[int, DeviceTensor] = {}
 
-    def matrix(rows: int, cols: int, fan_in: int) -> DeviceTensor:
+    def matrix(shape: tuple[int, ...], fan_in: int) -> DeviceTensor:
         if fan_in not in patterns:
             noise = rng.standard_normal(PATTERN_ELEMS, dtype=np.float32) / math.sqrt(fan_in)
             patterns[fan_in] = ops.upload(noise, ops.dtype)
-        out = ops.empty((rows, cols), ops.dtype)
+        out = ops.empty(shape, ops.dtype)
         tile(out, patterns[fan_in], ops.stream)
         return out
 
@@ -88,18 +92,21 @@ def random_device_weights(config: ModelConfig, ops: CudaOps, seed: int = 0) -> d
     c = config
     hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
     qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    weights = {"model.embed_tokens.weight": matrix(c.vocab_size, hidden, 1), "model.norm.weight": filled(hidden, 1)}
+    weights = {"model.embed_tokens.weight": matrix((c.vocab_size, hidden), 1), "model.norm.weight": filled(hidden, 1)}
     if not c.tie_word_embeddings:
-        weights["lm_head.weight"] = matrix(c.vocab_size, hidden, hidden)
+        weights["lm_head.weight"] = matrix((c.vocab_size, hidden), hidden)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         weights |= {
             p + "input_layernorm.weight": filled(hidden, 1), p + "post_attention_layernorm.weight": filled(hidden, 1),
-            p + "self_attn.qkv_proj.weight": matrix(qkv_rows, hidden, hidden),
-            p + "self_attn.o_proj.weight": matrix(hidden, q_width, q_width),
-            p + "mlp.gate_up_proj.weight": matrix(2 * c.intermediate_size, hidden, hidden),
-            p + "mlp.down_proj.weight": matrix(hidden, c.intermediate_size, c.intermediate_size),
+            p + "self_attn.qkv_proj.weight": matrix((qkv_rows, hidden), hidden),
+            p + "self_attn.o_proj.weight": matrix((hidden, q_width), q_width),
         }
+        if mlp_weights is not None:
+            weights |= mlp_weights(p + "mlp.", matrix)
+        else:
+            weights |= {p + "mlp.gate_up_proj.weight": matrix((2 * c.intermediate_size, hidden), hidden),
+                        p + "mlp.down_proj.weight": matrix((hidden, c.intermediate_size), c.intermediate_size)}
         optional = {  # name: (present, size, value)
             "self_attn.qkv_proj.bias": (c.qkv_bias, qkv_rows, 0),
             "self_attn.o_proj.bias": (c.o_proj_bias, hidden, 0),
@@ -124,6 +131,10 @@ class Model:
     engine: LLMEngine
     config: ModelConfig
     decode_weight_bytes: int  # what one decode step reads of the weights: all but the embedding table
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """Weight bytes a decode step of `batch` sequences reads."""
+        return self.decode_weight_bytes
 
     def kv_bytes(self, num_tokens: float) -> float:
         c = self.config
@@ -176,7 +187,7 @@ def run_decode(model: Model, batch: int, context: int, steps: int, copy_rate: fl
     for request_id in ids:
         engine.abort(request_id)
     kv_bytes = model.kv_bytes(context_tokens + batch * steps / 2)  # the mean over the timed steps
-    floor_seconds = (model.decode_weight_bytes + kv_bytes) / copy_rate
+    floor_seconds = (model.step_weight_bytes(batch) + kv_bytes) / copy_rate
     return batch * steps / engine_seconds, forward_seconds, floor_seconds
 
 

@@ -81,6 +81,7 @@ run_step bench_gemm 60 python3 tools/bench_gemm.py --write-table
 run_step bench_attention 35 python3 tools/bench_attention.py
 run_step bench_kernels 35 python3 tools/bench_kernels.py
 run_step bench_decode 170 python3 tools/bench_decode.py
+run_step bench_moe 200 python3 tools/bench_moe.py
 
 cp "$SPARKD_CACHE_DIR"/gemm/*.json "$OUT"/ 2>/dev/null
 

@@ -1,0 +1,134 @@
+"""Qwen3-30B-A3B-shaped bf16 mixture-of-experts decode and prefill, against the rooflines.
+
+  python tools/bench_moe.py [--layers 48] [--steps 32]
+
+Random weights made on the device (tools/bench_decode.py's way), the same three decode
+measures (served through AsyncEngine, sequential `LLMEngine.step`, forward alone) and
+one prefill step. Ceilings, measured in the same run:
+- a decode step must read the attention, router and norm weights of every layer, the
+  lm_head, the KV cache, and the experts its tokens chose. With random weights the
+  routing is close to uniform, so a step of B tokens reads E * (1 - (1 - k/E)^B)
+  experts a layer in expectation (k at batch 1, nearly all E at batch 64); all at
+  the device-to-device copy rate;
+- a prefill's active FLOPs (2 per weight it uses per token: attention, router, k
+  experts; 4 * Hq * D per causal (query, key) pair) run at most at the rate of a bf16
+  8192^3 GEMM.
+The issue's peer (transformers in the same call) is not run here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import copy_bandwidth  # noqa: E402
+from bench_decode import (Model, print_decode_row, random_device_weights, run_decode, run_prefill,  # noqa: E402
+                          run_served_decode, verdict)
+from bench_gemm import gemm_rate  # noqa: E402
+
+from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
+from sparkd.engine.args import EngineArgs  # noqa: E402
+from sparkd.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+from sparkd.models.config import ModelConfig  # noqa: E402
+from sparkd.models.moe import MoeForCausalLM  # noqa: E402
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+PROMPT_LEN = 128
+BATCH, CONTEXT = 64, 1024
+PREFILL_LEN = 4096
+# The issue's targets.
+BATCH1_ROOFLINE, BATCH64_ROOFLINE, PREFILL_GEMM = 0.65, 0.50, 0.40
+
+
+@dataclass
+class MoeModel(Model):
+    expert_bytes: int  # one expert's gate_up and down, one layer
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """The dense part, plus the experts `batch` uniformly routed tokens choose in expectation."""
+        c = self.config
+        experts = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
+        return self.decode_weight_bytes + c.num_layers * experts * self.expert_bytes
+
+    def prefill_flops(self, length: int) -> float:
+        """Active FLOPs: attention projections, router and k experts per token, causal attention, one lm_head row."""
+        c = self.config
+        per_token = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size \
+            + c.num_heads * c.head_dim * c.hidden_size + c.num_experts * c.hidden_size \
+            + c.num_experts_per_tok * 3 * c.moe_intermediate_size * c.hidden_size
+        attention_pairs = length * (length + 1) / 2
+        return (2 * per_token * length + 4 * c.num_heads * c.head_dim * attention_pairs) * c.num_layers \
+            + 2 * c.vocab_size * c.hidden_size
+
+
+def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilization: float) -> MoeModel:
+    config = ModelConfig.from_hf({**QWEN3_30B_A3B, "num_hidden_layers": num_layers})
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+
+    def experts(prefix: str, matrix) -> dict:
+        return {prefix + "gate.weight": matrix((e, h), h), prefix + "experts.gate_up_proj": matrix((e, 2 * i, h), h),
+                prefix + "experts.down_proj": matrix((e, h, i), i)}
+
+    weights = random_device_weights(config, ops, mlp_weights=experts)
+    expert_weights = [t for name, t in weights.items() if ".experts." in name]
+    dense_bytes = sum(t.nbytes for name, t in weights.items() if ".experts." not in name)
+    dense_bytes -= weights["model.embed_tokens.weight"].nbytes  # decode reads one row of it per sequence
+    expert_bytes = sum(t.nbytes for t in expert_weights) // (num_layers * e)
+    model = MoeForCausalLM(config, ops, weights)
+    args = EngineArgs(device="cuda", dtype="bfloat16", max_model_len=CONTEXT + steps + 64, max_num_seqs=BATCH,
+                      max_num_batched_tokens=PREFILL_LEN, enable_prefix_caching=False,
+                      gpu_memory_utilization=gpu_memory_utilization)
+    loaded = LoadedModel(ops, model, None, "qwen3-30b-a3b-shaped", "random bf16 weights made on the device")
+    return MoeModel(LLMEngine(args, loaded), config, dense_bytes, expert_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=48, help="decoder layers (48 for the real shape)")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="default %(default)s")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
+    logging.getLogger("sparkd").setLevel(logging.INFO)
+
+    ops = CudaOps(dtype="bfloat16")
+    copy_rate = copy_bandwidth(ops.allocator, ops.stream)
+    gemm_flops = gemm_rate(ops.gemm, ops.allocator, ops.stream, ops.dtype)
+    print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s (read + written), bf16 GEMM 8192^3 "
+          f"{gemm_flops / 1e12:.0f} TFLOP/s; Qwen3-30B-A3B shape with {args.layers} layers", flush=True)
+    model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
+    rng = np.random.default_rng(0)
+    print("\n| measure | sparkd | ceiling | fraction | target |\n| --- | --- | --- | --- | --- |")
+    cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))
+    measured = []
+    for batch, context, target in cases:
+        tokens_per_s, forward_seconds, floor_seconds = run_decode(model, batch, context, args.steps, copy_rate, rng)
+        measured.append((batch, context, target, batch / floor_seconds))
+        for how, value in (("sequential step", tokens_per_s), ("forward only", batch / forward_seconds)):
+            print_decode_row(batch, context, how, value, batch / floor_seconds, target)
+    prefill_seconds = run_prefill(model, PREFILL_LEN, reps=2, rng=rng)
+    prefill_flops = model.prefill_flops(PREFILL_LEN) / prefill_seconds
+    print(f"| {PREFILL_LEN}-token prefill, engine step ({prefill_seconds * 1e3:.1f} ms) | "
+          f"{prefill_flops / 1e12:.0f} TFLOP/s | {gemm_flops / 1e12:.0f} TFLOP/s | {prefill_flops / gemm_flops:.3f} | "
+          f"{verdict(prefill_flops / gemm_flops, PREFILL_GEMM)} |", flush=True)
+    served = run_served_decode(model, [(batch, context) for batch, context, _, _ in measured], args.steps, rng)
+    for (batch, context, target, roofline), tokens_per_s in zip(measured, served):
+        print_decode_row(batch, context, "served (AsyncEngine)", tokens_per_s, roofline, target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
