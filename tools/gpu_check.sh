@@ -74,7 +74,7 @@ run_step versions 15 bash -c versions
 run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
 # Only tests/gpu: the API tests import packages the GPU machine lacks (openai), and
 # --confcutdir keeps tests/conftest.py (the API server fixtures) from loading.
-run_step pytest_gpu 220 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
+run_step pytest_gpu 150 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
 # The GPU benchmarks only. bench_gemm measures cuBLASLt against the skinny GEMM and
 # writes the per-shape table (into the kernel cache) that bench_decode then uses.
 run_step bench_gemm 60 python3 tools/bench_gemm.py --write-table
