@@ -88,7 +88,9 @@ def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilizatio
     dense_bytes -= weights["model.embed_tokens.weight"].nbytes  # decode reads one row of it per sequence
     expert_bytes = sum(t.nbytes for t in expert_weights) // (num_layers * e)
     model = MoeForCausalLM(config, ops, weights)
-    args = EngineArgs(device="cuda", dtype="bfloat16", max_model_len=CONTEXT + steps + 64, max_num_seqs=BATCH,
+    # run_decode's requests ask for 2 * steps + 64 tokens; the prefill prompt is PREFILL_LEN.
+    max_model_len = max(CONTEXT + 2 * steps + 64, PREFILL_LEN) + 16
+    args = EngineArgs(device="cuda", dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=BATCH,
                       max_num_batched_tokens=PREFILL_LEN, enable_prefix_caching=False,
                       gpu_memory_utilization=gpu_memory_utilization)
     loaded = LoadedModel(ops, model, None, "qwen3-30b-a3b-shaped", "random bf16 weights made on the device")
