@@ -291,6 +291,42 @@ def transformers_decode(num_layers: int, new_tokens: int) -> tuple[float, float]
     return new_tokens / total, (new_tokens - 1) / (total - prompt_forward)
 
 
+def measure_ceilings(shape: str) -> tuple[CudaOps, float, float]:
+    """Set up logging and a bf16 CudaOps; measure and print the copy rate (bytes/s) and the
+    bf16 8192^3 GEMM rate (FLOP/s)."""
+    logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
+    logging.getLogger("sparkd").setLevel(logging.INFO)  # the KV plan and the graph captures
+    ops = CudaOps(dtype="bfloat16")
+    copy_rate = copy_bandwidth(ops.allocator, ops.stream)
+    gemm_flops = gemm_rate(ops.gemm, ops.allocator, ops.stream, ops.dtype)
+    print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s (read + written), bf16 GEMM 8192^3 "
+          f"{gemm_flops / 1e12:.0f} TFLOP/s; {shape}", flush=True)
+    return ops, copy_rate, gemm_flops
+
+
+def print_engine_measures(model: Model, cases, prefill: tuple[int, float, int], steps: int, copy_rate: float,
+                          gemm_flops: float, rng) -> list[float]:
+    """Print the table: each (batch, context, target) decode case sequential and forward-only, the
+    (length, target, reps) prefill, then each case served. Returns the served tokens/s per case."""
+    print("\n| measure | sparkd | ceiling | fraction | target |\n| --- | --- | --- | --- | --- |")
+    measured = []
+    for batch, context, target in cases:
+        tokens_per_s, forward_seconds, floor_seconds = run_decode(model, batch, context, steps, copy_rate, rng)
+        measured.append((batch, context, target, batch / floor_seconds))
+        for how, value in (("sequential step", tokens_per_s), ("forward only", batch / forward_seconds)):
+            print_decode_row(batch, context, how, value, batch / floor_seconds, target)
+    length, target, reps = prefill
+    prefill_seconds = run_prefill(model, length, reps=reps, rng=rng)
+    prefill_flops = model.prefill_flops(length) / prefill_seconds
+    print(f"| {length}-token prefill, engine step ({prefill_seconds * 1e3:.1f} ms) | "
+          f"{prefill_flops / 1e12:.0f} TFLOP/s | {gemm_flops / 1e12:.0f} TFLOP/s | {prefill_flops / gemm_flops:.3f} | "
+          f"{verdict(prefill_flops / gemm_flops, target)} |", flush=True)
+    served = run_served_decode(model, [(batch, context) for batch, context, _, _ in measured], steps, rng)
+    for (batch, context, target, roofline), tokens_per_s in zip(measured, served):
+        print_decode_row(batch, context, "served (AsyncEngine)", tokens_per_s, roofline, target)
+    return served
+
+
 def print_decode_row(batch: int, context: int, how: str, tokens_per_s: float, roofline: float, target: float) -> None:
     print(f"| batch-{batch} decode, {context}-token context, {how} | {tokens_per_s:.1f} tok/s | "
           f"{roofline:.1f} tok/s | {tokens_per_s / roofline:.3f} | {verdict(tokens_per_s / roofline, target)} |",
@@ -309,32 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="sparkd's share of the GPU; the rest is left to transformers (default %(default)s)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
-    logging.getLogger("sparkd").setLevel(logging.INFO)  # the KV plan and the graph captures
-
-    ops = CudaOps(dtype="bfloat16")
-    copy_rate = copy_bandwidth(ops.allocator, ops.stream)
-    gemm_flops = gemm_rate(ops.gemm, ops.allocator, ops.stream, ops.dtype)
-    print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s (read + written), bf16 GEMM 8192^3 "
-          f"{gemm_flops / 1e12:.0f} TFLOP/s; Llama-3.1-8B shape with {args.layers} layers", flush=True)
+    ops, copy_rate, gemm_flops = measure_ceilings(f"Llama-3.1-8B shape with {args.layers} layers")
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
-    print("\n| measure | sparkd | ceiling | fraction | target |\n| --- | --- | --- | --- | --- |")
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))
-    measured = []
-    for batch, context, target in cases:
-        tokens_per_s, forward_seconds, floor_seconds = run_decode(model, batch, context, args.steps, copy_rate, rng)
-        measured.append((batch, context, target, batch / floor_seconds))
-        for how, value in (("sequential step", tokens_per_s), ("forward only", batch / forward_seconds)):
-            print_decode_row(batch, context, how, value, batch / floor_seconds, target)
-    prefill_seconds = run_prefill(model, PREFILL_LEN, reps=3, rng=rng)
-    prefill_flops = model.prefill_flops(PREFILL_LEN) / prefill_seconds
-    print(f"| {PREFILL_LEN}-token prefill, engine step ({prefill_seconds * 1e3:.1f} ms) | "
-          f"{prefill_flops / 1e12:.0f} TFLOP/s | {gemm_flops / 1e12:.0f} TFLOP/s | {prefill_flops / gemm_flops:.3f} | "
-          f"{verdict(prefill_flops / gemm_flops, PREFILL_GEMM)} |", flush=True)
-    served = run_served_decode(model, [(batch, context) for batch, context, _, _ in measured], args.steps, rng)
-    for (batch, context, target, roofline), tokens_per_s in zip(measured, served):
-        print_decode_row(batch, context, "served (AsyncEngine)", tokens_per_s, roofline, target)
+    served = print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 3), args.steps, copy_rate, gemm_flops, rng)
     batch1_tokens_per_s = served[0]
     print(f"| batch-1 decode, served | {batch1_tokens_per_s:.1f} tok/s | | | "
           f"{verdict(batch1_tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s |", flush=True)

@@ -19,7 +19,6 @@ The issue's peer (transformers in the same call) is not run here yet.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import copy_bandwidth  # noqa: E402
-from bench_decode import (Model, print_decode_row, random_device_weights, run_decode, run_prefill,  # noqa: E402
-                          run_served_decode, verdict)
-from bench_gemm import gemm_rate  # noqa: E402
+from bench_decode import Model, measure_ceilings, print_engine_measures, random_device_weights  # noqa: E402
 
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 from sparkd.engine.args import EngineArgs  # noqa: E402
@@ -103,32 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="default %(default)s")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
-    logging.getLogger("sparkd").setLevel(logging.INFO)
-
-    ops = CudaOps(dtype="bfloat16")
-    copy_rate = copy_bandwidth(ops.allocator, ops.stream)
-    gemm_flops = gemm_rate(ops.gemm, ops.allocator, ops.stream, ops.dtype)
-    print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s (read + written), bf16 GEMM 8192^3 "
-          f"{gemm_flops / 1e12:.0f} TFLOP/s; Qwen3-30B-A3B shape with {args.layers} layers", flush=True)
+    ops, copy_rate, gemm_flops = measure_ceilings(f"Qwen3-30B-A3B shape with {args.layers} layers")
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
-    print("\n| measure | sparkd | ceiling | fraction | target |\n| --- | --- | --- | --- | --- |")
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))
-    measured = []
-    for batch, context, target in cases:
-        tokens_per_s, forward_seconds, floor_seconds = run_decode(model, batch, context, args.steps, copy_rate, rng)
-        measured.append((batch, context, target, batch / floor_seconds))
-        for how, value in (("sequential step", tokens_per_s), ("forward only", batch / forward_seconds)):
-            print_decode_row(batch, context, how, value, batch / floor_seconds, target)
-    prefill_seconds = run_prefill(model, PREFILL_LEN, reps=2, rng=rng)
-    prefill_flops = model.prefill_flops(PREFILL_LEN) / prefill_seconds
-    print(f"| {PREFILL_LEN}-token prefill, engine step ({prefill_seconds * 1e3:.1f} ms) | "
-          f"{prefill_flops / 1e12:.0f} TFLOP/s | {gemm_flops / 1e12:.0f} TFLOP/s | {prefill_flops / gemm_flops:.3f} | "
-          f"{verdict(prefill_flops / gemm_flops, PREFILL_GEMM)} |", flush=True)
-    served = run_served_decode(model, [(batch, context) for batch, context, _, _ in measured], args.steps, rng)
-    for (batch, context, target, roofline), tokens_per_s in zip(measured, served):
-        print_decode_row(batch, context, "served (AsyncEngine)", tokens_per_s, roofline, target)
+    print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 2), args.steps, copy_rate, gemm_flops, rng)
     return 0
 
 

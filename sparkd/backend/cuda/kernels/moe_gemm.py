@@ -21,14 +21,7 @@ from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
 from ..tensor import DeviceTensor
-from . import (
-    ACCESS_BYTES,
-    ELEMENT_TYPES,
-    i32,
-    require,
-    require_contiguous,
-    require_dtype,
-)
+from . import ACCESS_BYTES, ELEMENT_TYPES, i32, require, require_contiguous, require_dtype
 
 _SOURCE = "moe_gemm.cu"
 M_TILES = (1, 4, 16)  # the kM instantiations: sorted rows of one expert per pass over its weights
