@@ -205,7 +205,9 @@ def run_served_decode(model: Model, cases: list[tuple[int, int]], steps: int, rn
                                                 postprocess(output, sampled))[1]
 
     async def one_case(batch: int, context: int) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=WARMUP_STEPS + steps, ignore_eos=True)
+        # The first sequences decode while later prompts are computed: leave them room for that too.
+        prefill_steps = -(-batch * context // core.args.max_num_batched_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + WARMUP_STEPS + steps, ignore_eos=True)
         step_times.clear()
         streams = [engine.add_request(rng.integers(0, model.config.vocab_size, context).tolist(), params)
                    for _ in range(batch)]
@@ -213,6 +215,8 @@ def run_served_decode(model: Model, cases: list[tuple[int, int]], steps: int, rn
             async for _ in stream:
                 pass
         full = [t for t, n in step_times if n == batch][WARMUP_STEPS:]
+        if len(full) < 2:
+            raise RuntimeError(f"only {len(full)} timed steps had all {batch} sequences: raise --steps")
         return batch * (len(full) - 1) / (full[-1] - full[0])
 
     async def scenario() -> list[float]:
