@@ -262,10 +262,11 @@ def run_prefill(model: Model, length: int, reps: int, rng) -> float:
     return best
 
 
-def transformers_decode(num_layers: int, new_tokens: int) -> tuple[float, float] | None:
+def transformers_decode(hf_config: dict, model_type: str, num_layers: int, new_tokens: int,
+                        compile: bool = True) -> tuple[float, float] | None:
     """(tokens/s of generate, decode-only tokens/s with the prompt's forward taken out) for
-    batch 1 after a PROMPT_LEN prompt, static cache compiled by generate; None without
-    torch, transformers or a CUDA torch."""
+    batch 1 after a PROMPT_LEN prompt, static cache (compiled by generate unless `compile` is
+    False); None without torch, transformers or a CUDA torch."""
     try:
         import torch
         import transformers
@@ -273,13 +274,13 @@ def transformers_decode(num_layers: int, new_tokens: int) -> tuple[float, float]
         return None
     if not torch.cuda.is_available():
         return None
-    hf = {k: v for k, v in LLAMA_3_1_8B.items() if k != "architectures"}
-    config = transformers.LlamaConfig(**{**hf, "num_hidden_layers": num_layers})
+    hf = {k: v for k, v in hf_config.items() if k != "architectures"}
+    config = transformers.AutoConfig.for_model(model_type, **{**hf, "num_hidden_layers": num_layers})
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     prompt = torch.randint(0, config.vocab_size, (1, PROMPT_LEN), device="cuda")
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-              "cache_implementation": "static", "pad_token_id": config.eos_token_id}
+              "cache_implementation": "static", "pad_token_id": config.eos_token_id, "disable_compile": not compile}
 
     def timed(work) -> float:
         work()  # the first generate compiles the decode step
@@ -293,6 +294,22 @@ def transformers_decode(num_layers: int, new_tokens: int) -> tuple[float, float]
         total = timed(lambda: model.generate(prompt, **kwargs))
         prompt_forward = timed(lambda: model(prompt))
     return new_tokens / total, (new_tokens - 1) / (total - prompt_forward)
+
+
+def print_peer(peer: tuple[float, float] | None, how: str, new_tokens: int, served_tokens_per_s: float,
+               target: float | None) -> None:
+    """The transformers rows beside sparkd's batch-1 served rate (`peer` from transformers_decode)."""
+    if peer is None:
+        print("\n# transformers baseline skipped (--no-transformers, or no CUDA torch)")
+        return
+    generate_tokens_per_s, decode_tokens_per_s = peer
+    print(f"\n| transformers, {how}, batch 1 | tok/s | sparkd served / it | target |")
+    print("| --- | --- | --- | --- |")
+    print(f"| generate: {PROMPT_LEN}-token prompt + {new_tokens} new tokens | {generate_tokens_per_s:.1f} | "
+          f"{served_tokens_per_s / generate_tokens_per_s:.2f} | |")
+    ratio = served_tokens_per_s / decode_tokens_per_s
+    print(f"| decode only (the prompt's forward taken out) | {decode_tokens_per_s:.1f} | {ratio:.2f} | "
+          f"{verdict(ratio, target) if target else ''} |")
 
 
 def measure_ceilings(shape: str) -> tuple[CudaOps, float, float]:
@@ -358,18 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| batch-1 decode, served | {batch1_tokens_per_s:.1f} tok/s | | | "
           f"{verdict(batch1_tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s |", flush=True)
 
-    peer = None if args.no_transformers else transformers_decode(args.layers, new_tokens=PROMPT_LEN)
-    if peer is None:
-        print("\n# transformers baseline skipped (--no-transformers, or no CUDA torch)")
-        return 0
-    generate_tokens_per_s, decode_tokens_per_s = peer
-    print("\n| transformers, static cache, compiled, batch 1 | tok/s | sparkd served / it | target |")
-    print("| --- | --- | --- | --- |")
-    print(f"| generate: {PROMPT_LEN}-token prompt + {PROMPT_LEN} new tokens | {generate_tokens_per_s:.1f} | "
-          f"{batch1_tokens_per_s / generate_tokens_per_s:.2f} | |")
-    ratio = batch1_tokens_per_s / decode_tokens_per_s
-    print(f"| decode only (the prompt's forward taken out) | {decode_tokens_per_s:.1f} | {ratio:.2f} | "
-          f"{verdict(ratio, VS_TRANSFORMERS)} |")
+    peer = None if args.no_transformers else transformers_decode(LLAMA_3_1_8B, "llama", args.layers, PROMPT_LEN)
+    print_peer(peer, "static cache, compiled", PROMPT_LEN, batch1_tokens_per_s, VS_TRANSFORMERS)
     return 0
 
 

@@ -13,7 +13,9 @@ one prefill step. Ceilings, measured in the same run:
 - a prefill's active FLOPs (2 per weight it uses per token: attention, router, k
   experts; 4 * Hq * D per causal (query, key) pair) run at most at the rate of a bf16
   8192^3 GEMM.
-The issue's peer (transformers in the same call) is not run here yet.
+The peer: transformers' generate (static cache, eager: compiling its expert loop takes
+minutes), batch 1, in the same process. sparkd takes 50% of the GPU by default so the
+peer's copy of the weights fits beside it at 48 layers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_decode import Model, measure_ceilings, print_engine_measures, random_device_weights  # noqa: E402
+from bench_decode import (Model, measure_ceilings, print_engine_measures, print_peer,  # noqa: E402
+                          random_device_weights, transformers_decode)
 
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 from sparkd.engine.args import EngineArgs  # noqa: E402
@@ -45,6 +48,7 @@ QWEN3_30B_A3B = {
 PROMPT_LEN = 128
 BATCH, CONTEXT = 64, 1024
 PREFILL_LEN = 4096
+PEER_TOKENS = 32  # transformers' eager expert loop is slow: a short generate
 # The issue's targets.
 BATCH1_ROOFLINE, BATCH64_ROOFLINE, PREFILL_GEMM = 0.65, 0.50, 0.40
 
@@ -97,13 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48, help="decoder layers (48 for the real shape)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="default %(default)s")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="sparkd's share of the GPU; the rest is left to transformers (default %(default)s)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     args = parser.parse_args(argv)
     ops, copy_rate, gemm_flops = measure_ceilings(f"Qwen3-30B-A3B shape with {args.layers} layers")
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))
-    print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 2), args.steps, copy_rate, gemm_flops, rng)
+    served = print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 2), args.steps, copy_rate, gemm_flops,
+                                   rng)
+    # Eager: compiling transformers' expert loop for a static cache takes minutes.
+    peer = None if args.no_transformers else transformers_decode(QWEN3_30B_A3B, "qwen3_moe", args.layers, PEER_TOKENS,
+                                                                 compile=False)
+    print_peer(peer, "static cache, eager", PEER_TOKENS, served[0], None)
     return 0
 
 
