@@ -24,41 +24,23 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import copy_bandwidth, timed_graph  # noqa: E402
+from bench_common import DeviceBench, copy_bandwidth, timed_graph  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
 
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
-from sparkd.backend.cuda.driver import Stream, call, init_device  # noqa: E402
+from sparkd.backend.cuda.driver import call  # noqa: E402
 from sparkd.backend.cuda.kernels import attention  # noqa: E402
-from sparkd.backend.cuda.memory import DeviceAllocator  # noqa: E402
-from sparkd.backend.cuda.transfer import copy_to_device  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-_ONE_BITS = {DType.bfloat16: 0x3F80, DType.float16: 0x3C00}  # the values do not change the timing
 
 
-class Bench:
+class Bench(DeviceBench):
     def __init__(self, dtype: DType, iters: int):
-        self.device = init_device()
-        self.dtype = dtype
-        self.iters = iters
-        self.stream = Stream()
-        self.allocator = DeviceAllocator()
+        super().__init__(dtype, iters)
         self.l2_bytes = call(driver.cuDeviceGetAttribute,
                              driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, self.device.handle)
         self.last_plan: attention.DecodePlan | None = None  # the plan of the last decode case timed
-
-    def filled(self, shape):
-        tensor = self.allocator.empty(shape, self.dtype)
-        call(driver.cuMemsetD16Async, tensor.ptr, _ONE_BITS[self.dtype], tensor.numel, self.stream.handle)
-        return tensor
-
-    def upload(self, array: np.ndarray):
-        tensor = self.allocator.empty(array.shape, DType.int32)
-        copy_to_device(tensor, np.ascontiguousarray(array, np.int32), self.stream)
-        self.stream.synchronize()  # the host array is pageable and local
-        return tensor
 
     def step(self, query_lens: list[int], seq_lens: list[int]) -> tuple[CudaAttentionMetadata, int]:
         """Device metadata of one step whose sequences own scattered blocks; and the blocks in use."""
@@ -67,21 +49,21 @@ class Bench:
         tables = np.zeros((len(seq_lens), max(blocks_needed)), np.int32)
         for s, start in enumerate(np.cumsum([0, *blocks_needed[:-1]])):
             tables[s, :blocks_needed[s]] = order[start:start + blocks_needed[s]]
-        meta = CudaAttentionMetadata(
-            self.upload(np.concatenate([[0], np.cumsum(query_lens)])), self.upload(np.asarray(seq_lens)),
-            self.upload(tables), self.upload(np.zeros(sum(query_lens))), max(query_lens), max(seq_lens))
+        arrays = (np.concatenate([[0], np.cumsum(query_lens)]), np.asarray(seq_lens), tables, np.zeros(sum(query_lens)))
+        query_start_loc, lens, block_tables, slots = (self.upload(a, DType.int32) for a in arrays)
+        meta = CudaAttentionMetadata(query_start_loc, lens, block_tables, slots, max(query_lens), max(seq_lens))
         return meta, sum(blocks_needed)
 
     def caches(self, num_blocks: int) -> list:
         """(k_cache, v_cache) pairs, enough of them to be twice the L2 together."""
         shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
         pair_bytes = 2 * math.prod(shape) * self.dtype.itemsize
-        return [(self.filled(shape), self.filled(shape)) for _ in range(math.ceil(2 * self.l2_bytes / pair_bytes))]
+        return [(self.ones(shape), self.ones(shape)) for _ in range(math.ceil(2 * self.l2_bytes / pair_bytes))]
 
     def time(self, query_lens: list[int], seq_lens: list[int], decode: bool) -> float:
         """Seconds per attention call over one step's sequences."""
         meta, num_blocks = self.step(query_lens, seq_lens)
-        q = self.filled((sum(query_lens), NUM_Q_HEADS, HEAD_DIM))
+        q = self.ones((sum(query_lens), NUM_Q_HEADS, HEAD_DIM))
         out = self.allocator.empty(q.shape, self.dtype)
         caches = self.caches(num_blocks)
         rotation = itertools.cycle(caches)

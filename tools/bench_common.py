@@ -1,6 +1,7 @@
-"""Timing helpers shared by the kernel benchmarks in tools/: graph-replayed
-timing of a launch sequence, and the device-to-device copy rate that the
-bandwidth-bound results are divided by.
+"""Helpers shared by the kernel benchmarks in tools/: a device, stream and
+allocator with constant-filled and uploaded tensors (`DeviceBench`),
+graph-replayed timing of a launch sequence, and the device-to-device copy rate
+that the bandwidth-bound results are divided by.
 """
 
 from __future__ import annotations
@@ -13,10 +14,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda.bindings import driver  # noqa: E402
 
-from sparkd.backend.cuda.driver import Event, Stream, call  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sparkd.backend.cuda.driver import Event, Stream, call, init_device  # noqa: E402
 from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.memory import DeviceAllocator  # noqa: E402
+from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from sparkd.backend.cuda.transfer import copy_to_device, encode  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
+
+_ONE_BITS = {DType.bfloat16: 0x3F80, DType.float16: 0x3C00}
+
+
+class DeviceBench:
+    """The device, one stream and an allocator for a benchmark in `dtype`, timed over `iters`."""
+
+    def __init__(self, dtype: DType, iters: int):
+        self.device = init_device()
+        self.dtype = dtype
+        self.iters = iters
+        self.stream = Stream()
+        self.allocator = DeviceAllocator()
+
+    def ones(self, shape, dtype: DType | None = None) -> DeviceTensor:
+        """A tensor of 1.0 in `dtype` (default: the bench's); the values do not change the timing."""
+        dtype = dtype or self.dtype
+        out = self.allocator.empty(shape, dtype)
+        if dtype is DType.float32:
+            call(driver.cuMemsetD32Async, out.ptr, 0x3F800000, out.numel, self.stream.handle)
+        else:
+            call(driver.cuMemsetD16Async, out.ptr, _ONE_BITS[dtype], out.numel, self.stream.handle)
+        return out
+
+    def upload(self, array: np.ndarray, dtype: DType) -> DeviceTensor:
+        out = self.allocator.empty(array.shape, dtype)
+        copy_to_device(out, encode(array, dtype), self.stream)
+        self.stream.synchronize()  # the host array is pageable and local
+        return out
 
 
 def timed_graph(stream: Stream, work, iters: int) -> float:

@@ -23,10 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import copy_bandwidth, timed_graph
-from cuda.bindings import driver
+from bench_common import DeviceBench, copy_bandwidth, timed_graph
 
-from sparkd.backend.cuda.driver import Stream, call, init_device
 from sparkd.backend.cuda.kernels import (
     activation,
     embedding,
@@ -34,8 +32,7 @@ from sparkd.backend.cuda.kernels import (
     rope_kv,
     sampling,
 )
-from sparkd.backend.cuda.memory import DeviceAllocator
-from sparkd.backend.cuda.transfer import StagingRing, copy_to_device, encode
+from sparkd.backend.cuda.transfer import StagingRing
 from sparkd.backend.dtypes import DType
 from sparkd.engine.request import Request
 from sparkd.engine.sampling_batch import build_sampling_tensors
@@ -43,35 +40,14 @@ from sparkd.engine.sampling_params import SamplingParams
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 4096, 32, 8, 128, 14336, 128256
 BLOCK_SIZE = 16
-_ONE_BITS = {DType.bfloat16: 0x3F80, DType.float16: 0x3C00}
 
 
-class Bench:
+class Bench(DeviceBench):
     def __init__(self, dtype: DType, iters: int):
-        self.device = init_device()
-        self.dtype = dtype
-        self.iters = iters
-        self.stream = Stream()
-        self.allocator = DeviceAllocator()
+        super().__init__(dtype, iters)
         self.staging = StagingRing(self.allocator, self.stream)
         self.copy_rate = copy_bandwidth(self.allocator, self.stream)
         self.rng = np.random.default_rng(0)
-
-    def ones(self, shape, dtype: DType | None = None):
-        """A tensor of 1.0 (values do not change these kernels' timing)."""
-        dtype = dtype or self.dtype
-        out = self.allocator.empty(shape, dtype)
-        if dtype is DType.float32:
-            call(driver.cuMemsetD32Async, out.ptr, 0x3F800000, out.numel, self.stream.handle)
-        else:
-            call(driver.cuMemsetD16Async, out.ptr, _ONE_BITS[dtype], out.numel, self.stream.handle)
-        return out
-
-    def upload(self, array: np.ndarray, dtype: DType):
-        out = self.allocator.empty(array.shape, dtype)
-        copy_to_device(out, encode(array, dtype), self.stream)
-        self.stream.synchronize()  # the host array is pageable and local
-        return out
 
     def report(self, name: str, shape: str, work, nbytes: float) -> None:
         seconds = timed_graph(self.stream, work, self.iters)
