@@ -12,79 +12,20 @@ Relative error is max |gpu - ref| / max |ref|: <= 1e-5 for fp32, <= 1e-2 for bf1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 
-from sparkd.backend.cpu.moe import group_by_expert, moe_experts, silu_and_mul
+from sparkd.backend.cpu.moe import moe_experts
 from sparkd.backend.cuda.kernels import moe_gemm
 from sparkd.backend.dtypes import DType
+
+from .moe_cases import Routing, random_choices, random_expert_weights, reference
 
 pytestmark = pytest.mark.gpu
 
 # H and I in whole 16-byte chunks (the kernels' rule), an odd number of bf16 chunks, so
 # no K divides evenly over a warp's lanes.
 HIDDEN, INTER = 200, 88
-
-
-@dataclass
-class Routing:
-    """Host copies of the alignment kernel's outputs for expert_ids [T, k] over E experts."""
-
-    expert_ids: np.ndarray  # [T, k]
-    sorted_pairs: np.ndarray  # [P]
-    offsets: np.ndarray  # [E + 1]
-    active_experts: np.ndarray  # [min(E, P)], past num_active: padding the kernels must not read
-    num_active: np.ndarray  # [1]
-
-    @classmethod
-    def of(cls, expert_ids: np.ndarray, num_experts: int) -> Routing:
-        pairs, offsets = group_by_expert(expert_ids, num_experts)
-        active = np.flatnonzero(np.diff(offsets)).astype(np.int32)
-        slots = min(num_experts, expert_ids.size)
-        idle = np.setdiff1d(np.arange(num_experts), active)
-        padding = idle[0] if idle.size else 0  # an idle expert's id, whose weights are NaN
-        active_experts = np.full(slots, padding, np.int32)
-        active_experts[: active.size] = active
-        return cls(expert_ids, pairs.astype(np.int32), offsets.astype(np.int32), active_experts,
-                   np.array([active.size], np.int32))
-
-    def upload(self, gpu):
-        return [gpu.upload(a) for a in (self.sorted_pairs, self.offsets, self.active_experts, self.num_active)]
-
-    @property
-    def row_of_pair(self) -> np.ndarray:
-        rows = np.empty_like(self.sorted_pairs)
-        rows[self.sorted_pairs] = np.arange(self.sorted_pairs.size, dtype=np.int32)
-        return rows
-
-
-def _random_choices(rng, num_tokens: int, top_k: int, experts: np.ndarray) -> np.ndarray:
-    """[T, k] distinct experts per token, drawn from `experts`."""
-    picks = np.argsort(rng.random((num_tokens, experts.size)), axis=1)[:, :top_k]
-    return experts[picks].astype(np.int32)
-
-
-def _weights(gpu, rng, num_experts, hidden, inter, dtype, idle):
-    """gate_up [E, 2I, H] and down [E, H, I] on the device, NaN for the idle experts (never read)."""
-    gate_up = rng.standard_normal((num_experts, 2 * inter, hidden), dtype=np.float32) / np.sqrt(hidden)
-    down = rng.standard_normal((num_experts, hidden, inter), dtype=np.float32) / np.sqrt(inter)
-    gate_up[idle], down[idle] = np.nan, np.nan
-    return gpu.upload(gate_up, dtype), gpu.upload(down, dtype)
-
-
-def _reference(x, gate_up, down, routing: Routing):
-    """(hidden [P, I], expert_out [P, H]) in float64, rows in expert order."""
-    x, gate_up, down = (np.asarray(a, np.float64) for a in (x, gate_up, down))
-    top_k = routing.expert_ids.shape[1]
-    hidden = np.zeros((routing.sorted_pairs.size, gate_up.shape[1] // 2))
-    expert_out = np.zeros((routing.sorted_pairs.size, down.shape[1]))
-    for expert in routing.active_experts[: routing.num_active[0]]:
-        rows = slice(routing.offsets[expert], routing.offsets[expert + 1])
-        hidden[rows] = silu_and_mul(x[routing.sorted_pairs[rows] // top_k] @ gate_up[expert].T)
-        expert_out[rows] = hidden[rows] @ down[expert].T
-    return hidden, expert_out
 
 
 def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing):
@@ -102,7 +43,7 @@ def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing):
 def _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing: Routing):
     hidden, expert_out = _run(gpu, x_dev, gate_up_dev, down_dev, routing)
     x, gate_up, down = gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev)
-    hidden_ref, expert_out_ref = _reference(x, gate_up, down, routing)
+    hidden_ref, expert_out_ref = reference(x, gate_up, down, routing)
     assert np.all(np.isfinite(hidden)) and np.all(np.isfinite(expert_out)), "an idle expert's weights were used"
     assert rel_error(hidden, hidden_ref) <= tolerance[dtype]
     assert rel_error(expert_out, expert_out_ref) <= tolerance[dtype]
@@ -115,9 +56,9 @@ def _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routi
 @pytest.mark.parametrize("num_experts", [8, 128])
 def test_expert_gemms_match_numpy(gpu, rel_error, tolerance, dtype, num_tokens, top_k, num_experts):
     rng = np.random.default_rng(num_tokens * 1000 + top_k * 10 + num_experts)
-    routing = Routing.of(_random_choices(rng, num_tokens, top_k, np.arange(num_experts)), num_experts)
+    routing = Routing.of(random_choices(rng, num_tokens, top_k, np.arange(num_experts)), num_experts)
     idle = np.setdiff1d(np.arange(num_experts), routing.active_experts[: routing.num_active[0]])
-    gate_up_dev, down_dev = _weights(gpu, rng, num_experts, HIDDEN, INTER, dtype, idle)
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, num_experts, HIDDEN, INTER, dtype, idle)
     x_dev = gpu.upload(rng.standard_normal((num_tokens, HIDDEN), dtype=np.float32), dtype)
     _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing)
 
@@ -127,8 +68,8 @@ def test_idle_experts_are_skipped_and_the_combine_gives_moe_experts(gpu, rel_err
     """Tokens choose among 4 of 8 experts; the other 4 hold NaN. Weighting each token's
     rows (found through row_of_pair) gives the numpy twin's moe_experts."""
     rng = np.random.default_rng(1)
-    routing = Routing.of(_random_choices(rng, 37, 2, np.array([1, 2, 5, 6])), 8)
-    gate_up_dev, down_dev = _weights(gpu, rng, 8, HIDDEN, INTER, dtype, idle=[0, 3, 4, 7])
+    routing = Routing.of(random_choices(rng, 37, 2, np.array([1, 2, 5, 6])), 8)
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 8, HIDDEN, INTER, dtype, idle=[0, 3, 4, 7])
     x_dev = gpu.upload(rng.standard_normal((37, HIDDEN), dtype=np.float32), dtype)
     x, gate_up, down, expert_out = _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing)
 
@@ -147,7 +88,7 @@ def test_one_expert_takes_every_token(gpu, rel_error, tolerance, dtype, top_k):
         expert_ids[:, 1] = rng.choice([3, 100], size=257)
     routing = Routing.of(expert_ids, 128)
     idle = np.setdiff1d(np.arange(128), [3, 77, 100])
-    gate_up_dev, down_dev = _weights(gpu, rng, 128, HIDDEN, INTER, dtype, idle)
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 128, HIDDEN, INTER, dtype, idle)
     x_dev = gpu.upload(rng.standard_normal((257, HIDDEN), dtype=np.float32), dtype)
     _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing)
 
@@ -158,8 +99,8 @@ def test_model_sized_rows_split_k_over_warps(gpu, rel_error, tolerance, dtype):
     x's rows are spaced, as a column slice of a wider matrix."""
     rng = np.random.default_rng(3)
     hidden_size, inter = 2048, 776
-    routing = Routing.of(_random_choices(rng, 33, 4, np.arange(16)), 16)
-    gate_up_dev, down_dev = _weights(gpu, rng, 16, hidden_size, inter, dtype, idle=[])
+    routing = Routing.of(random_choices(rng, 33, 4, np.arange(16)), 16)
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 16, hidden_size, inter, dtype, idle=[])
     wide = gpu.upload(rng.standard_normal((33, hidden_size + 64), dtype=np.float32), dtype)
     _check(gpu, rel_error, tolerance, dtype, wide.column_slice(32, hidden_size), gate_up_dev, down_dev, routing)
 
@@ -170,9 +111,9 @@ def test_launches_replay_in_a_cuda_graph_with_new_routing(gpu, rel_error, tolera
     from sparkd.backend.cuda.transfer import copy_to_device
 
     rng = np.random.default_rng(4)
-    first = Routing.of(_random_choices(rng, 5, 2, np.arange(8)), 8)
-    second = Routing.of(_random_choices(rng, 5, 2, np.array([0, 6])), 8)
-    gate_up_dev, down_dev = _weights(gpu, rng, 8, HIDDEN, INTER, "bfloat16", idle=[])
+    first = Routing.of(random_choices(rng, 5, 2, np.arange(8)), 8)
+    second = Routing.of(random_choices(rng, 5, 2, np.array([0, 6])), 8)
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 8, HIDDEN, INTER, "bfloat16", idle=[])
     x_dev = gpu.upload(rng.standard_normal((5, HIDDEN), dtype=np.float32), "bfloat16")
     routing_dev = first.upload(gpu)
     hidden = gpu.empty((10, INTER), DType.bfloat16)
@@ -189,7 +130,7 @@ def test_launches_replay_in_a_cuda_graph_with_new_routing(gpu, rel_error, tolera
                                               second.num_active)):
             copy_to_device(device, host, gpu.stream)
         graph.replay(gpu.stream)
-        _, expected = _reference(gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev), second)
+        _, expected = reference(gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev), second)
         assert rel_error(gpu.download(expert_out), expected) <= tolerance["bfloat16"]
     finally:
         graph.destroy()

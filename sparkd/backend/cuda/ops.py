@@ -24,8 +24,8 @@ from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
-from .kernels import (activation, attention, elementwise, embedding, fault, moe_gemm, moe_routing, norm, rope_kv,
-                      sampling)
+from .kernels import (activation, attention, elementwise, embedding, fault, moe_gemm, moe_grouped_gemm, moe_routing,
+                      norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
@@ -216,18 +216,30 @@ class CudaOps:
                     expert_ids: DeviceTensor) -> DeviceTensor:
         """Align the (token, expert) pairs by expert, run the selected experts' GEMMs
         (SiLU fused into gate_up) on their rows only, combine back in token order:
-        five launches, no host sync, capturable."""
+        no host sync, capturable.
+
+        The expert GEMMs are picked on the host from shapes alone: with bf16/fp16 and at
+        least MIN_ROWS_PER_EXPERT rows per expert on average (prefill), the tensor-core
+        grouped GEMM (moe_grouped_gemm, plus its one-block tile plan); otherwise (decode,
+        fp32) the GEMV-style moe_gemm, which streams the weights at full bandwidth."""
         num_tokens, top_k = expert_ids.shape
         num_experts, inter2, hidden_size = gate_up.shape
         num_pairs = num_tokens * top_k
         alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_pairs, num_experts)
         moe_routing.moe_align(alignment, expert_ids, self.stream)
         hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
-        moe_gemm.moe_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets, alignment.active_experts,
-                             alignment.num_active, top_k, self.stream)
         expert_out = self.allocator.empty((num_pairs, hidden_size), DType.float32)
-        moe_gemm.moe_down(expert_out, hidden, down, alignment.offsets, alignment.active_experts, alignment.num_active,
-                          self.stream)
+        if moe_grouped_gemm.use_grouped_gemm(num_pairs, num_experts, x.dtype):
+            tile_starts = self.allocator.empty((num_experts + 1,), DType.int32)
+            moe_grouped_gemm.plan_tiles(tile_starts, alignment.offsets, self.stream)
+            moe_grouped_gemm.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets,
+                                                 tile_starts, top_k, self.stream)
+            moe_grouped_gemm.moe_grouped_down(expert_out, hidden, down, alignment.offsets, tile_starts, self.stream)
+        else:
+            moe_gemm.moe_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets,
+                                 alignment.active_experts, alignment.num_active, top_k, self.stream)
+            moe_gemm.moe_down(expert_out, hidden, down, alignment.offsets, alignment.active_experts,
+                              alignment.num_active, self.stream)
         out = self.allocator.empty((num_tokens, hidden_size), x.dtype)
         moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, self.stream)
         return out

@@ -1,0 +1,116 @@
+"""Host side of the tensor-core expert GEMM launchers (kernels/moe_grouped_gemm.py): the rule
+CudaOps picks them by, the grid bound, the shared memory and the preconditions. No GPU:
+every call here is refused before a kernel loads, on tensors whose addresses are never touched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cuda.bindings")
+
+from sparkd.backend.cuda.kernels import moe_grouped_gemm as grouped
+from sparkd.backend.cuda.tensor import DeviceTensor
+from sparkd.backend.dtypes import DType
+
+T, K, E, H, I = 3, 2, 8, 64, 32  # P = 6 pairs
+
+
+def _fake(shape, dtype="bfloat16", ptr=0x10000, strides=None):
+    return DeviceTensor(ptr, shape, DType.parse(dtype), strides)
+
+
+def _plan(num_pairs=T * K, num_experts=E):
+    """sorted_pairs, offsets, tile_starts."""
+    return [_fake((num_pairs,), "int32"), _fake((num_experts + 1,), "int32"), _fake((num_experts + 1,), "int32")]
+
+
+def _gate_up(hidden=None, x=None, gate_up=None, plan=None, top_k=K):
+    grouped.moe_grouped_gate_up(hidden or _fake((T * K, I)), x or _fake((T, H)), gate_up or _fake((E, 2 * I, H)),
+                                *(plan or _plan()), top_k, None)
+
+
+def _down(expert_out=None, hidden=None, down=None, plan=None):
+    grouped.moe_grouped_down(expert_out or _fake((T * K, H), "float32"), hidden or _fake((T * K, I)),
+                             down or _fake((E, H, I)), *(plan or _plan())[1:], None)
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,dtype,expected", [
+    (2048 * 8, 128, "bfloat16", True), (2048, 128, "float16", True), (2047, 128, "bfloat16", False),
+    (64 * 8, 128, "bfloat16", False), (4096 * 8, 128, "float32", False), (16, 1, "bfloat16", True)])
+def test_tensor_cores_take_batches_with_16_rows_per_expert(num_pairs, num_experts, dtype, expected):
+    assert grouped.use_grouped_gemm(num_pairs, num_experts, DType.parse(dtype)) is expected
+
+
+def test_the_grid_covers_the_tiles_of_any_routing():
+    """sum_e ceil(count_e / TILE_M) <= max_m_tiles(P, E) for even, skewed and one-hot routings."""
+    rng = np.random.default_rng(0)
+    for num_pairs, num_experts in [(1, 8), (63, 8), (65, 128), (2048 * 8, 128), (257 * 2, 128), (4096, 1)]:
+        routings = [rng.integers(0, num_experts, num_pairs), np.zeros(num_pairs, np.int64),
+                    np.arange(num_pairs) % num_experts, rng.integers(0, min(2, num_experts), num_pairs)]
+        for expert_ids in routings:
+            counts = np.bincount(expert_ids, minlength=num_experts)
+            tiles = int(np.sum(-(-counts // grouped.TILE_M)))
+            assert tiles <= grouped.max_m_tiles(num_pairs, num_experts)
+    # Nearly tight: 8 experts of TILE_M + 1 rows need 16 tiles, the grid has 17 slots.
+    assert grouped.max_m_tiles(8 * (grouped.TILE_M + 1), 8) == 17
+
+
+def test_shared_memory_is_four_stages_of_padded_a_and_b_slices():
+    assert grouped.smem_bytes(DType.bfloat16) == 4 * (64 + 128) * (32 + 8) * 2 == 61440
+
+
+def test_every_kernel_is_registered_for_the_half_types():
+    names = {spec.name for spec in grouped.SPECS}
+    assert "moe_tile_plan_kernel" in names
+    for kernel in ("moe_grouped_gate_up_kernel", "moe_grouped_down_kernel"):
+        assert {f"{kernel}<__half>", f"{kernel}<__nv_bfloat16>"} <= names
+        assert f"{kernel}<float>" not in names
+    assert all(spec.source == "moe_grouped_gemm.cu" for spec in grouped.SPECS)
+
+
+def test_fp32_stays_on_moe_gemm():
+    with pytest.raises(ValueError, match="x must be float16 or bfloat16, got float32"):
+        _gate_up(hidden=_fake((T * K, I), "float32"), x=_fake((T, H), "float32"),
+                 gate_up=_fake((E, 2 * I, H), "float32"))
+    with pytest.raises(ValueError, match="hidden must be float16 or bfloat16, got float32"):
+        _down(hidden=_fake((T * K, I), "float32"), down=_fake((E, H, I), "float32"))
+
+
+def test_k_must_be_whole_16_byte_chunks_and_operands_aligned():
+    with pytest.raises(ValueError, match=r"H \(60\) must be a multiple of 8 for bfloat16"):
+        _gate_up(x=_fake((T, 60)), gate_up=_fake((E, 2 * I, 60)))
+    with pytest.raises(ValueError, match=r"I \(30\) must be a multiple of 8 for bfloat16"):
+        _down(hidden=_fake((T * K, 30)), down=_fake((E, H, 30)))
+    with pytest.raises(ValueError, match=r"x's row stride \(68\) must be a multiple of 8"):
+        _gate_up(x=_fake((T, H), strides=(68, 1)))
+    with pytest.raises(ValueError, match="needs hidden 16-byte aligned, got 0x10004"):
+        _gate_up(hidden=_fake((T * K, I), ptr=0x10004))
+    with pytest.raises(ValueError, match="needs expert_out 16-byte aligned"):
+        _down(expert_out=_fake((T * K, H), "float32", ptr=0x10008))
+
+
+def test_shapes_and_dtypes_must_agree():
+    with pytest.raises(ValueError, match="gate_up's last dim must be x's hidden size 64"):
+        _gate_up(gate_up=_fake((E, 2 * I, 72)))
+    with pytest.raises(ValueError, match="gate_up must be bfloat16 like the activations, got float16"):
+        _gate_up(gate_up=_fake((E, 2 * I, H), "float16"))
+    with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
+        _gate_up(top_k=0)
+    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float32, got \[6, 64\] bfloat16"):
+        _down(expert_out=_fake((T * K, H)))
+    with pytest.raises(ValueError, match="down's last dim must be hidden's intermediate size 32"):
+        _down(down=_fake((E, H, 40)))
+
+
+def test_plan_tensors_must_fit_pairs_and_experts():
+    sorted_pairs, offsets, tile_starts = _plan()
+    with pytest.raises(ValueError, match=r"sorted_pairs must be \[6\] int32, got \[5\] int32"):
+        _gate_up(plan=[_fake((5,), "int32"), offsets, tile_starts])
+    with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[8\] int32"):
+        _down(plan=[sorted_pairs, offsets, _fake((E,), "int32")])
+    with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[9\] int64"):
+        grouped.plan_tiles(_fake((E + 1,), "int64"), offsets, None)
+    with pytest.raises(ValueError, match="at most 65535 row tiles"):
+        _down(expert_out=_fake((70000 * 64, H), "float32"), hidden=_fake((70000 * 64, I)),
+              plan=[None, offsets, tile_starts])
