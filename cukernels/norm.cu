@@ -1,11 +1,12 @@
 // RMSNorm, plain and fused with the residual add, fp32 math.
 //
 //   rmsnorm:      out = x / sqrt(mean(x^2) + eps) * weight
-//   add_rmsnorm:  residual = x + residual (stored in T); out = rmsnorm(residual)
+//   add_rmsnorm:  residual' = x + residual, in fp32; out = rmsnorm(residual')
 //
-// The fused form normalises the residual as stored (rounded to T), as the
-// unfused HF graph does. Per-head q/k norm is the plain kernel over D-sized
-// rows of a [T, H, D] view.
+// The residual stream stays in fp32 whatever T is: each layer adds its bf16/fp16
+// output to it without rounding, so rounding errors do not pile up over the layers
+// (the first layer's residual, the embedding, may come in T). Per-head q/k norm is
+// the plain kernel over D-sized rows of a [T, H, D] view.
 //
 // Launch shape (both kernels): block = (threads_per_row, rows_per_block), one
 // row group of threads_per_row (a multiple of 32, at most 1024) per row;
@@ -83,10 +84,12 @@ rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict
                                valid, scratch);
 }
 
-// out, residual, x: [rows, dim] contiguous; residual is updated in place.
-template <typename T, int kVec>
+// out, x: [rows, dim] in T; residual_in: [rows, dim] in R (T or float); residual_out:
+// [rows, dim] float, which may be residual_in itself (R = float: updated in place), so
+// neither is __restrict__. All contiguous.
+template <typename T, typename R, int kVec>
 __global__ void __launch_bounds__(1024)
-add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ residual, const T* __restrict__ x,
+add_rmsnorm_kernel(T* __restrict__ out, float* residual_out, const R* residual_in, const T* __restrict__ x,
                    const T* __restrict__ weight, int rows, int dim, float eps) {
   __shared__ float scratch[32 * 32];
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
@@ -100,10 +103,10 @@ add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ residual, const T* __res
     if (!valid || col >= dim) break;
     float a[kVec], b[kVec];
     load_floats<kVec>(x + base + col, a);
-    load_floats<kVec>(residual + base + col, b);
+    load_floats<kVec>(residual_in + base + col, b);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) slice.v[k][i] = to_float(from_float<T>(a[i] + b[i]));
-    store_floats<kVec>(residual + base + col, slice.v[k]);
+    for (int i = 0; i < kVec; ++i) slice.v[k][i] = a[i] + b[i];
+    store_floats<kVec>(residual_out + base + col, slice.v[k]);
     sum_sq += sum_of_squares(slice.v[k]);
   }
   normalize_and_store<T, kVec>(out + base, slice, sum_sq, weight, dim, eps, valid, scratch);

@@ -9,9 +9,11 @@ by the device-to-device copy rate (bytes read plus written), says how much of th
 memory system it uses: 1.0 is the ceiling a skinny-GEMM kernel could reach.
 Each shape cycles through enough weight copies to exceed twice the L2, and the
 timed launches are replayed from one CUDA graph, so neither the cache nor Python
-launch overhead inflates the figures. lm_head writes fp32 logits, as the engine runs it.
+launch overhead inflates the figures. lm_head and the MoE router write fp32, as the engine
+runs them.
 
-Shapes: Llama-3.1-8B's, plus those of the checkpoint at --model (its config.json).
+Shapes: Llama-3.1-8B's and Qwen3-30B-A3B's dense ones, plus those of the checkpoint at
+--model (its config.json).
 The "picks" column is what the engine's `Gemm` runs for that shape and M. With
 --write-table it comes from the table this run measures, written to PATH (by
 default this device's file in the sparkd cache, where the engine reads it; see
@@ -59,8 +61,17 @@ SHAPES = {
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+# Qwen3-30B-A3B's dense GEMMs (tools/bench_moe.py's shape): hidden 2048, 32 query / 4 kv heads
+# of 128, 128 experts, vocab 151936. The expert GEMMs are not cuBLASLt's (moe_gemm.cu).
+MOE_SHAPES = {
+    "moe qkv": (5120, 2048),
+    "moe o": (2048, 4096),
+    "moe router": (128, 2048),
+    "moe lm_head": (151936, 2048),
+}
 LLAMA_LAYERS = 32
-LOGITS = "lm_head"  # written in fp32
+LOGITS = "lm_head"
+FP32_OUTPUTS = ("lm_head", "router")  # logits and router logits are written in fp32, as the engine runs them
 _BF16_ONE_BITS = 0x3F80  # weights hold 1.0: the values do not change the timing
 
 
@@ -132,7 +143,7 @@ class ShapeBench:
 
 
 def bench_shapes(model_dir: str | None) -> dict[str, tuple[int, int]]:
-    shapes = dict(SHAPES)
+    shapes = {**SHAPES, **MOE_SHAPES}
     if model_dir:
         for name, shape in linear_shapes(ModelConfig.from_hf(*read_hf_configs(model_dir))).items():
             if shape not in shapes.values():
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- |")
     llama_seconds = {}  # Llama shape -> (cuBLASLt, as picked) seconds per call at M = 1
     for name, (n, k) in bench_shapes(args.model).items():
-        out_dtype = DType.float32 if name.endswith(LOGITS) else dtype
+        out_dtype = DType.float32 if name.endswith(FP32_OUTPUTS) else dtype
         bench = ShapeBench(allocator, stream, dtype, out_dtype, n, k, l2_bytes, args.iters)
         for m in args.m:
             x, out = bench.operands(m)

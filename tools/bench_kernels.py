@@ -67,9 +67,10 @@ def bench_layer_ops(b: Bench, tokens: int) -> None:
     weight = b.ones((HIDDEN,))
     b.report("rmsnorm", f"{tokens}x{HIDDEN}", lambda: norm.rmsnorm(out, hidden, weight, 1e-5, b.stream),
              2 * tokens * HIDDEN * item)
-    residual = b.ones((tokens, HIDDEN))
+    residual = b.allocator.empty((tokens, HIDDEN), DType.float32)  # the fp32 residual stream, updated in place
     b.report("add_rmsnorm", f"{tokens}x{HIDDEN}",
-             lambda: norm.add_rmsnorm(out, residual, hidden, weight, 1e-5, b.stream), 4 * tokens * HIDDEN * item)
+             lambda: norm.add_rmsnorm(out, residual, residual, hidden, weight, 1e-5, b.stream),
+             (2 * item + 2 * 4) * tokens * HIDDEN)
 
     width = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
     qkv = b.ones((tokens, width))

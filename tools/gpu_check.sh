@@ -77,7 +77,7 @@ run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
 run_step pytest_gpu 150 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
 # The GPU benchmarks only. bench_gemm measures cuBLASLt against the skinny GEMM and
 # writes the per-shape table (into the kernel cache) that bench_decode then uses.
-run_step bench_gemm 60 python3 tools/bench_gemm.py --write-table
+run_step bench_gemm 90 python3 tools/bench_gemm.py --write-table
 run_step bench_attention 35 python3 tools/bench_attention.py
 run_step bench_kernels 35 python3 tools/bench_kernels.py
 run_step bench_decode 170 python3 tools/bench_decode.py

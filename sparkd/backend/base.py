@@ -182,7 +182,9 @@ class Ops(Protocol):
 
     def add_rmsnorm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """residual' = x + residual; y = rmsnorm(residual'). Returns (y, residual').
-        A backend may update `residual` in place and return it as residual'."""
+        A backend may update `residual` in place and return it as residual'. residual' is
+        float32 whatever x's dtype (a bf16 model's residual stream is not rounded between
+        layers; `residual` may be x's dtype, the first layer's); y is in x's dtype."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: np.dtype | None = None) -> Tensor:
         """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N] in x's dtype, or in
@@ -227,7 +229,8 @@ class Ops(Protocol):
         GEMM per expert on its group (a grouped GEMM on a GPU) and scatters the rows
         back to token order for the weighted combine."""
 
-    def add(self, x: Tensor, y: Tensor) -> Tensor: ...
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        """x + y in x's dtype; y of x's shape, in x's dtype or float32 (the residual stream)."""
 
     def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor:
         """A view with a new shape (contiguous tensors only)."""

@@ -156,9 +156,12 @@ class CudaOps:
 
     def add_rmsnorm(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
                     eps: float) -> tuple[DeviceTensor, DeviceTensor]:
+        """residual' is float32 whatever the model dtype: the residual stream is kept unrounded
+        (updated in place from the second layer on)."""
         out = self.allocator.empty(x.shape, x.dtype)
-        norm.add_rmsnorm(out, residual, x, weight, eps, self.stream)
-        return out, residual
+        residual_out = residual if residual.dtype is DType.float32 else self.allocator.empty(x.shape, DType.float32)
+        norm.add_rmsnorm(out, residual_out, residual, x, weight, eps, self.stream)
+        return out, residual_out
 
     def linear(self, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None,
                out_dtype=None) -> DeviceTensor:

@@ -4,28 +4,39 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream, current_device
 from ..tensor import DeviceTensor
-from . import ELEMENT_TYPES, element_name, element_specs, require, require_contiguous, require_dtype, vector_width
+from . import ELEMENT_TYPES, require, require_contiguous, require_dtype, vector_width, vector_widths
 
-SPECS: list[KernelSpec] = element_specs("elementwise.cu", "add_kernel")
+
+def _add_name(dtype: DType, y_dtype: DType, width: int) -> str:
+    return f"add_kernel<{dtype.c_type}, {y_dtype.c_type}, {width}>"
+
+
+# y in the element type, or fp32 (the residual stream).
+SPECS: list[KernelSpec] = [KernelSpec("elementwise.cu", _add_name(dtype, y_dtype, width))
+                           for dtype in ELEMENT_TYPES for y_dtype in dict.fromkeys((dtype, DType.float32))
+                           for width in vector_widths(dtype)]
 
 _THREADS = 256
 _BLOCKS_PER_SM = 8  # a grid-stride loop: enough resident blocks to cover memory latency
 
 
 def add(out: DeviceTensor, x: DeviceTensor, y: DeviceTensor, stream: Stream | None) -> None:
-    """out = x + y; all three contiguous, of one shape and dtype."""
+    """out = x + y; all three contiguous, of one shape; out and x of one dtype, y of it or float32."""
     for name, tensor in (("out", out), ("x", x), ("y", y)):
         require_contiguous(name, tensor)
         require_dtype(name, tensor, *ELEMENT_TYPES)
     require(out.shape == x.shape == y.shape, f"add needs equal shapes, got {out.shape} = {x.shape} + {y.shape}")
-    require(out.dtype is x.dtype is y.dtype, "add needs one dtype for out, x and y")
+    require(out.dtype is x.dtype and y.dtype in (x.dtype, DType.float32),
+            f"add needs out and x of one dtype and y of it or float32, got {out.dtype.name}, {x.dtype.name}, "
+            f"{y.dtype.name}")
     if out.numel == 0:
         return
     width = vector_width(out.dtype, (out, x, y), (out.numel,))
     chunks = out.numel // width
     grid = max(1, min(-(-chunks // _THREADS), current_device().sm_count * _BLOCKS_PER_SM))
-    get_kernel(KernelSpec("elementwise.cu", element_name("add_kernel", out.dtype, width))).launch(
+    get_kernel(KernelSpec("elementwise.cu", _add_name(out.dtype, y.dtype, width))).launch(
         grid, _THREADS, [out, x, y, np.int64(out.numel)], stream=stream)

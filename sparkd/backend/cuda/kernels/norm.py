@@ -1,5 +1,5 @@
 """RMSNorm launchers (cukernels/norm.cu): plain, per-head (q/k norm) and fused
-with the residual add; fp32 math whatever the storage type."""
+with the residual add; fp32 math whatever the storage type, and an fp32 residual stream."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
+from ...dtypes import DType
 from ..tensor import DeviceTensor
 from . import (
     ELEMENT_TYPES,
@@ -18,10 +19,20 @@ from . import (
     require_dtype,
     round_up,
     vector_width,
+    vector_widths,
 )
 
 _SOURCE = "norm.cu"
-SPECS = element_specs(_SOURCE, "rmsnorm_kernel") + element_specs(_SOURCE, "add_rmsnorm_kernel")
+
+def _add_rmsnorm_name(dtype: DType, residual_dtype: DType, width: int) -> str:
+    return f"add_rmsnorm_kernel<{dtype.c_type}, {residual_dtype.c_type}, {width}>"
+
+
+# add_rmsnorm reads the residual in the element type (the first layer's, the embedding) or in fp32.
+SPECS = element_specs(_SOURCE, "rmsnorm_kernel") + [
+    KernelSpec(_SOURCE, _add_rmsnorm_name(dtype, residual_dtype, width))
+    for dtype in ELEMENT_TYPES for residual_dtype in dict.fromkeys((dtype, DType.float32))
+    for width in vector_widths(dtype)]
 
 _MAX_ELEMS_PER_THREAD = 16  # kMaxElemsPerThread in norm.cu: a thread keeps its row slice in registers
 _MAX_THREADS_PER_ROW = 1024
@@ -47,25 +58,37 @@ def rmsnorm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float
     width = vector_width(x.dtype, (out, x, weight), (dim, stride_outer, stride_inner))
     args = [out, x, weight, i32(rows), i32(inner_rows), np.int64(stride_outer), np.int64(stride_inner), i32(dim),
             np.float32(eps)]
-    _launch("rmsnorm_kernel", x, width, rows, dim, args, stream)
+    _launch(KernelSpec(_SOURCE, element_name("rmsnorm_kernel", x.dtype, width)), width, rows, dim, args, stream)
 
 
-def add_rmsnorm(out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float,
-                stream: Stream) -> None:
-    """residual += x (in place, rounded to its dtype); out = rmsnorm(residual) * weight.
+def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor,
+                weight: DeviceTensor, eps: float, stream: Stream) -> None:
+    """residual_out = x + residual in fp32 (no rounding); out = rmsnorm(residual_out) * weight.
 
-    out, residual, x: [R, D] contiguous, out distinct from both; weight [D]."""
+    out, x: [R, D] in one dtype; residual [R, D] in x's dtype or float32; residual_out
+    [R, D] float32, which may be residual itself (then updated in place); weight [D].
+    All contiguous, out distinct from the others."""
     require(x.ndim == 2, f"x must be [R, D], got shape {x.shape}")
-    require(residual.shape == x.shape and residual.dtype is x.dtype,
-            f"residual must match x {x.shape} {x.dtype.name}, got {residual.shape} {residual.dtype.name}")
-    require_contiguous("x", x)
-    require_contiguous("residual", residual)
-    require(out.ptr != residual.ptr, "out must not be the residual buffer")
+    require(residual.shape == x.shape and residual.dtype in (x.dtype, DType.float32),
+            f"residual must be {x.shape} in {x.dtype.name} or float32, got {residual.shape} {residual.dtype.name}")
+    require(residual_out.shape == x.shape and residual_out.dtype is DType.float32,
+            f"residual_out must be {x.shape} float32, got {residual_out.shape} {residual_out.dtype.name}")
+    require(residual_out.ptr == residual.ptr or not _overlap(residual_out, residual),
+            "residual_out must be the residual itself or not overlap it")
+    for name, tensor in (("x", x), ("residual", residual), ("residual_out", residual_out)):
+        require_contiguous(name, tensor)
+    require(out.ptr not in (residual.ptr, residual_out.ptr), "out must not be a residual buffer")
     _check_operands(out, x, weight, x.shape)
     rows, dim = x.shape
-    width = vector_width(x.dtype, (out, residual, x, weight), (dim,))
-    args = [out, residual, x, weight, i32(rows), i32(dim), np.float32(eps)]
-    _launch("add_rmsnorm_kernel", x, width, rows, dim, args, stream)
+    # The fp32 residual moves the same elements per access as x (two 16-byte accesses for bf16's eight).
+    width = vector_width(x.dtype, (out, residual, residual_out, x, weight), (dim,))
+    args = [out, residual_out, residual, x, weight, i32(rows), i32(dim), np.float32(eps)]
+    name = _add_rmsnorm_name(x.dtype, residual.dtype, width)
+    _launch(KernelSpec(_SOURCE, name), width, rows, dim, args, stream)
+
+
+def _overlap(a: DeviceTensor, b: DeviceTensor) -> bool:
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
 def _check_operands(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, shape: tuple) -> None:
@@ -78,11 +101,11 @@ def _check_operands(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, sh
     require(0 < shape[-1] <= MAX_DIM, f"the normalised dim must be in [1, {MAX_DIM}], got {shape[-1]}")
 
 
-def _launch(kernel_name: str, x: DeviceTensor, width: int, rows: int, dim: int, args: list, stream: Stream) -> None:
+def _launch(spec: KernelSpec, width: int, rows: int, dim: int, args: list, stream: Stream) -> None:
     if rows == 0:
         return
     # One row group per row, a thread per 16-byte chunk where the row allows.
     threads_per_row = min(_MAX_THREADS_PER_ROW, round_up(-(-dim // width), 32))
     rows_per_block = max(1, _THREADS_PER_BLOCK // threads_per_row)
-    kernel = get_kernel(KernelSpec(_SOURCE, element_name(kernel_name, x.dtype, width)))
+    kernel = get_kernel(spec)
     kernel.launch(-(-rows // rows_per_block), (threads_per_row, rows_per_block), args, stream=stream)
