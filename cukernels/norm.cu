@@ -36,14 +36,15 @@ __device__ __forceinline__ float sum_of_squares(const float (&v)[kVec]) {
   return sum;
 }
 
-// Scales the slice by weight / rms and writes it to out (a row of dim values).
-// sum_sq: this thread's share of the row's sum of squares. Every thread of the
-// block calls it; valid is false for threads past the last row, which join
-// the reduction without storing.
+// Scales the slice by weight / rms and writes it to out (a row of dim values), and
+// unrounded to out_fp32 unless that is null. sum_sq: this thread's share of the row's
+// sum of squares. Every thread of the block calls it; valid is false for threads past
+// the last row, which join the reduction without storing.
 template <typename T, int kVec>
-__device__ __forceinline__ void normalize_and_store(T* __restrict__ out, const RowSlice<kVec>& slice,
-                                                    float sum_sq, const T* __restrict__ weight, int dim,
-                                                    float eps, bool valid, float* scratch) {
+__device__ __forceinline__ void normalize_and_store(T* __restrict__ out, float* __restrict__ out_fp32,
+                                                    const RowSlice<kVec>& slice, float sum_sq,
+                                                    const T* __restrict__ weight, int dim, float eps, bool valid,
+                                                    float* scratch) {
   sum_sq = row_group_reduce(sum_sq, SumOp{}, 0.f, scratch);
   const float inv_rms = 1.f / sqrtf(sum_sq / static_cast<float>(dim) + eps);
   if (!valid) return;
@@ -56,6 +57,7 @@ __device__ __forceinline__ void normalize_and_store(T* __restrict__ out, const R
 #pragma unroll
     for (int i = 0; i < kVec; ++i) y[i] = slice.v[k][i] * inv_rms * w[i];
     store_floats<kVec>(out + col, y);
+    if (out_fp32 != nullptr) store_floats<kVec>(out_fp32 + col, y);
   }
 }
 
@@ -80,17 +82,18 @@ rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict
     load_floats<kVec>(src + col, slice.v[k]);
     sum_sq += sum_of_squares(slice.v[k]);
   }
-  normalize_and_store<T, kVec>(out + static_cast<long long>(row) * dim, slice, sum_sq, weight, dim, eps,
-                               valid, scratch);
+  normalize_and_store<T, kVec>(out + static_cast<long long>(row) * dim, nullptr, slice, sum_sq, weight, dim,
+                               eps, valid, scratch);
 }
 
 // out, x: [rows, dim] in T; residual_in: [rows, dim] in R (T or float); residual_out:
 // [rows, dim] float, which may be residual_in itself (R = float: updated in place), so
-// neither is __restrict__. All contiguous.
+// neither is __restrict__; out_fp32: null, or [rows, dim] float for out unrounded (a MoE
+// router's input). All contiguous.
 template <typename T, typename R, int kVec>
 __global__ void __launch_bounds__(1024)
-add_rmsnorm_kernel(T* __restrict__ out, float* residual_out, const R* residual_in, const T* __restrict__ x,
-                   const T* __restrict__ weight, int rows, int dim, float eps) {
+add_rmsnorm_kernel(T* __restrict__ out, float* __restrict__ out_fp32, float* residual_out, const R* residual_in,
+                   const T* __restrict__ x, const T* __restrict__ weight, int rows, int dim, float eps) {
   __shared__ float scratch[32 * 32];
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
@@ -109,5 +112,6 @@ add_rmsnorm_kernel(T* __restrict__ out, float* residual_out, const R* residual_i
     store_floats<kVec>(residual_out + base + col, slice.v[k]);
     sum_sq += sum_of_squares(slice.v[k]);
   }
-  normalize_and_store<T, kVec>(out + base, slice, sum_sq, weight, dim, eps, valid, scratch);
+  normalize_and_store<T, kVec>(out + base, out_fp32 != nullptr ? out_fp32 + base : nullptr, slice, sum_sq, weight,
+                               dim, eps, valid, scratch);
 }

@@ -186,6 +186,11 @@ class Ops(Protocol):
         float32 whatever x's dtype (a bf16 model's residual stream is not rounded between
         layers; `residual` may be x's dtype, the first layer's); y is in x's dtype."""
 
+    def add_rmsnorm_for_router(self, x: Tensor, residual: Tensor, weight: Tensor,
+                               eps: float) -> tuple[Tensor, Tensor, Tensor]:
+        """`add_rmsnorm` that also returns y unrounded: (y, y in float32, residual'), for a
+        MoE router, whose top-k choice flips between near-tied experts on a rounding."""
+
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: np.dtype | None = None) -> Tensor:
         """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N] in x's dtype, or in
         `out_dtype` float32 (accumulated and kept in fp32, e.g. router logits)."""

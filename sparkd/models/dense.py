@@ -57,6 +57,8 @@ class DenseAttention:
 
 
 class DenseMLP:
+    routes_on_fp32 = False  # takes the normed rows in the model dtype only (see SparseMoeBlock)
+
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
         self.ops = ops
         self.gate_up_proj, self.gate_up_bias = take_linear(weights, prefix + "gate_up_proj", config.mlp_bias)
@@ -69,7 +71,8 @@ class DenseMLP:
 
 
 class DenseDecoderLayer:
-    """`mlp` is the layer's feed-forward block: anything with `forward(x [T, H]) -> [T, H]`."""
+    """`mlp` is the layer's feed-forward block: anything with `forward(x [T, H]) -> [T, H]`,
+    or, where its `routes_on_fp32` is true, `forward(x, x_fp32 [T, H] float32) -> [T, H]`."""
 
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str, mlp: Any):
         self.ops = ops
@@ -90,6 +93,10 @@ class DenseDecoderLayer:
         else:
             hidden_states, residual = self.ops.add_rmsnorm(hidden_states, residual, self.input_layernorm, self.eps)
         hidden_states = self.self_attn.forward(positions, hidden_states, attn, kv_cache)
+        if self.mlp.routes_on_fp32:
+            hidden_states, router_input, residual = self.ops.add_rmsnorm_for_router(
+                hidden_states, residual, self.post_attention_layernorm, self.eps)
+            return self.mlp.forward(hidden_states, router_input), residual
         hidden_states, residual = self.ops.add_rmsnorm(hidden_states, residual, self.post_attention_layernorm, self.eps)
         return self.mlp.forward(hidden_states), residual
 

@@ -44,6 +44,23 @@ def test_add_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype, rows, dim, 
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_add_rmsnorm_also_writes_the_unrounded_rows_for_a_router(gpu, rel_error, dtype):
+    """out_fp32 holds the normed rows before their rounding to dtype: out is exactly its rounding."""
+    rng = np.random.default_rng(5)
+    rows, dim = 7, 2048
+    x = gpu.upload(rng.standard_normal((rows, dim), dtype=np.float32), dtype)
+    residual = gpu.upload(rng.standard_normal((rows, dim), dtype=np.float32), "float32")
+    weight = gpu.upload(_weight(rng, dim), dtype)
+    summed = gpu.download(x) + gpu.download(residual)
+    expected = NumpyOps().rmsnorm(summed, gpu.download(weight), EPS)
+    out, out_fp32 = gpu.empty((rows, dim), dtype), gpu.empty((rows, dim), "float32")
+    norm.add_rmsnorm(out, residual, residual, x, weight, EPS, gpu.stream, out_fp32)
+    unrounded = gpu.download(out_fp32)
+    assert rel_error(unrounded, expected) <= 1e-5
+    np.testing.assert_array_equal(gpu.download(out), gpu.download(gpu.upload(unrounded, dtype)))
+
+
 def test_add_rmsnorm_rejects_a_narrow_residual_out(gpu):
     x = gpu.empty((2, 8), "bfloat16")
     weight = gpu.empty((8,), "bfloat16")

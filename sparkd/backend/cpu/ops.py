@@ -61,6 +61,12 @@ class NumpyOps:
         residual = x + residual
         return self.rmsnorm(residual, weight, eps), residual
 
+    def add_rmsnorm_for_router(
+        self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        y, residual = self.add_rmsnorm(x, residual, weight, eps)
+        return y, y, residual  # float32 already
+
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
                out_dtype=None) -> np.ndarray:  # float32 already
         y = x @ weight.T

@@ -158,10 +158,20 @@ class CudaOps:
                     eps: float) -> tuple[DeviceTensor, DeviceTensor]:
         """residual' is float32 whatever the model dtype: the residual stream is kept unrounded
         (updated in place from the second layer on)."""
-        out = self.allocator.empty(x.shape, x.dtype)
-        residual_out = residual if residual.dtype is DType.float32 else self.allocator.empty(x.shape, DType.float32)
-        norm.add_rmsnorm(out, residual_out, residual, x, weight, eps, self.stream)
+        out, _, residual_out = self._add_rmsnorm(x, residual, weight, eps, with_fp32=False)
         return out, residual_out
+
+    def add_rmsnorm_for_router(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
+                               eps: float) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
+        """One kernel writes both copies of y."""
+        return self._add_rmsnorm(x, residual, weight, eps, with_fp32=True)
+
+    def _add_rmsnorm(self, x, residual, weight, eps, with_fp32: bool):
+        out = self.allocator.empty(x.shape, x.dtype)
+        out_fp32 = self.allocator.empty(x.shape, DType.float32) if with_fp32 else None
+        residual_out = residual if residual.dtype is DType.float32 else self.allocator.empty(x.shape, DType.float32)
+        norm.add_rmsnorm(out, residual_out, residual, x, weight, eps, self.stream, out_fp32)
+        return out, out_fp32, residual_out
 
     def linear(self, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None,
                out_dtype=None) -> DeviceTensor:

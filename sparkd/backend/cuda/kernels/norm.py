@@ -62,12 +62,13 @@ def rmsnorm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float
 
 
 def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor,
-                weight: DeviceTensor, eps: float, stream: Stream) -> None:
-    """residual_out = x + residual in fp32 (no rounding); out = rmsnorm(residual_out) * weight.
+                weight: DeviceTensor, eps: float, stream: Stream, out_fp32: DeviceTensor | None = None) -> None:
+    """residual_out = x + residual in fp32 (no rounding); out = rmsnorm(residual_out) * weight,
+    and out_fp32 the same unrounded when given.
 
     out, x: [R, D] in one dtype; residual [R, D] in x's dtype or float32; residual_out
-    [R, D] float32, which may be residual itself (then updated in place); weight [D].
-    All contiguous, out distinct from the others."""
+    [R, D] float32, which may be residual itself (then updated in place); out_fp32 None or
+    [R, D] float32; weight [D]. All contiguous, outputs distinct from the inputs."""
     require(x.ndim == 2, f"x must be [R, D], got shape {x.shape}")
     require(residual.shape == x.shape and residual.dtype in (x.dtype, DType.float32),
             f"residual must be {x.shape} in {x.dtype.name} or float32, got {residual.shape} {residual.dtype.name}")
@@ -78,11 +79,16 @@ def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceT
     for name, tensor in (("x", x), ("residual", residual), ("residual_out", residual_out)):
         require_contiguous(name, tensor)
     require(out.ptr not in (residual.ptr, residual_out.ptr), "out must not be a residual buffer")
+    require(out_fp32 is None or (out_fp32.shape == x.shape and out_fp32.dtype is DType.float32
+                                 and out_fp32.is_contiguous and out_fp32.ptr not in (residual.ptr, residual_out.ptr)),
+            f"out_fp32 must be a {x.shape} float32 buffer of its own, got {out_fp32}")
     _check_operands(out, x, weight, x.shape)
     rows, dim = x.shape
     # The fp32 residual moves the same elements per access as x (two 16-byte accesses for bf16's eight).
-    width = vector_width(x.dtype, (out, residual, residual_out, x, weight), (dim,))
-    args = [out, residual_out, residual, x, weight, i32(rows), i32(dim), np.float32(eps)]
+    outputs = (out, residual_out) if out_fp32 is None else (out, residual_out, out_fp32)
+    width = vector_width(x.dtype, (*outputs, residual, x, weight), (dim,))
+    args = [out, out_fp32 if out_fp32 is not None else np.uint64(0), residual_out, residual, x, weight, i32(rows),
+            i32(dim), np.float32(eps)]
     name = _add_rmsnorm_name(x.dtype, residual.dtype, width)
     _launch(KernelSpec(_SOURCE, name), width, rows, dim, args, stream)
 
