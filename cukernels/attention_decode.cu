@@ -5,20 +5,36 @@
 // k_cache, v_cache [NB, Hkv, BS, D]; seq_lens [B]; block_tables [B, max_blocks_per_seq].
 //
 // A block owns up to 16 query heads of one kv head (GQA: K/V are read once for
-// all of them) and one split of the sequence's keys (decode_split below).
-// Consecutive splits form a part. The bf16 / fp16 kernel launches each part as
-// a thread-block cluster that merges its splits in shared memory; the fp32
-// kernel has parts of one split. A sequence that fits in one part is written
-// directly; otherwise every part leaves its normalised output and log-sum-exp
-// in the workspace and decode_combine_kernel merges them. The grid and the
-// workspace depend only on host-side sizes, so the launches can be captured in
-// a graph.
+// all of them) and one split of the sequence's keys (decode_split). Consecutive
+// splits form a part. The bf16 / fp16 cluster kernel launches each part as a
+// thread-block cluster that merges its splits in shared memory; the other
+// kernels have parts of one split. A sequence that fits in one part is written
+// directly. Otherwise every part leaves its normalised output and log-sum-exp
+// in the workspace and counts itself in; the block that arrives last merges the
+// parts into out (merge_parts), all in one launch. The grid and the workspace
+// depend only on host-side sizes, and blocks past a sequence's used parts exit
+// at once, so a graph planned for long contexts replays a short one at about
+// the cost of its one part.
 #include "attention_fp32.cuh"
 #include "attention_mma.cuh"
 #include "attention_split.cuh"
 
 using namespace sparkd;
 using namespace sparkd::attn;
+
+// Arrivals per (sequence, kv head, head chunk) of a split launch (arrive_last).
+// Zero when the module loads, and zero again after every launch. Launches that
+// split must therefore not run concurrently (sparkd runs all work on one
+// stream); the launcher splits only grids of at most kMaxDecodeCounters
+// (DECODE_COUNTERS in attention.py) unsplit blocks.
+constexpr int kMaxDecodeCounters = 4096;
+__device__ unsigned decode_arrivals[kMaxDecodeCounters];
+
+// The counter of the block's (sequence, kv head, head chunk); grid.x = chunks * num_splits.
+__device__ __forceinline__ unsigned* arrival_counter(int num_splits) {
+  const int chunks = gridDim.x / num_splits;
+  return decode_arrivals + (blockIdx.z * gridDim.y + blockIdx.y) * chunks + blockIdx.x / num_splits;
+}
 
 // ---- bf16 / fp16 on tensor cores ----
 
@@ -43,12 +59,13 @@ __device__ __forceinline__ void decode_attention(T* out, float* o_part, float* l
 
   const int seq = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x % num_splits;
   const int first_row = blockIdx.x / num_splits * kDecodeRows;
-  const int seq_len = seq_lens[seq];
+  // The sequence's length and query row are read together, before the exit test.
+  const PackedRows rows = packed_rows(query_start_loc, seq_lens, seq, kv_head, num_q_heads, num_kv_heads);
+  const DecodeSplit range = decode_split(rows.context + rows.q_len, split, num_splits, CLUSTER, min_split_keys);
   // A part past the sequence's end leaves whole (every block of a cluster must
   // reach its barriers); inside a part, blocks with an empty split still merge.
-  if (decode_split(seq_len, split - split % CLUSTER, num_splits, CLUSTER, min_split_keys).key_begin >= seq_len) return;
-  const PackedRows rows = packed_rows(query_start_loc, seq_lens, seq, kv_head, num_q_heads, num_kv_heads);
-  const DecodeSplit range = decode_split(seq_len, split, num_splits, CLUSTER, min_split_keys);
+  if (split / CLUSTER >= range.used_parts) return;
+  const int num_rows = min(kDecodeRows, rows.count() - first_row);
 
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -85,13 +102,17 @@ __device__ __forceinline__ void decode_attention(T* out, float* o_part, float* l
 
   // The pipeline's last barrier freed the tiles for the merges.
   const DecodeMergeSmem<D> sm(smem);
-  merge_warps<D>(sm, m, l, o);
+  merge_warps<D>(sm, m, l, o, num_rows);
   merge_cluster<T, D, CLUSTER>(sm, split % CLUSTER, out, o_part, lse_part, rows, first_row, seq, split / CLUSTER,
-                               num_splits / CLUSTER, range.direct);
+                               num_splits / CLUSTER, range.direct());
+  // Every block of a used part stored a slice of it.
+  if (!range.direct() && arrive_last(arrival_counter(num_splits), range.used_parts * CLUSTER))
+    merge_parts<T, D>(out, o_part, lse_part, rows, first_row, seq, range.used_parts, num_splits / CLUSTER);
 }
 
 // Launch: grid (ceil(group / 16) * num_splits, Hkv, B), block 128; every
-// split is its own part. Shared memory as decode_attention.
+// split is its own part. Shared memory as decode_attention; workspace as
+// DecodeSink with P = num_splits (unused when num_splits is 1).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
     decode_attention_kernel(T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
@@ -105,7 +126,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Launch: as decode_attention_kernel with num_splits a multiple of
-// kDecodeCluster; clusters of kDecodeCluster blocks along x form the parts.
+// kDecodeCluster; clusters of kDecodeCluster blocks along x form the
+// P = num_splits / kDecodeCluster parts.
 template <typename T, int D>
 __global__ void __cluster_dims__(kDecodeCluster, 1, 1) __launch_bounds__(kThreads)
     decode_attention_cluster_kernel(T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
@@ -123,7 +145,7 @@ __global__ void __cluster_dims__(kDecodeCluster, 1, 1) __launch_bounds__(kThread
 
 // Every split is its own part.
 // Launch: grid (ceil(group / 16) * num_splits, Hkv, B), block 128, dynamic
-// shared memory (16 + 2 * 32) * (D + 4) * 4 bytes.
+// shared memory (16 + 2 * 32) * (D + 4) * 4 bytes; workspace as decode_attention_kernel.
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     decode_attention_fp32_kernel(float* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
@@ -138,8 +160,8 @@ __global__ void __launch_bounds__(kThreads)
   const int seq = blockIdx.z, kv_head = blockIdx.y, split = blockIdx.x % num_splits;
   const int first_row = blockIdx.x / num_splits * kFp32Rows;
   const PackedRows rows = packed_rows(query_start_loc, seq_lens, seq, kv_head, num_q_heads, num_kv_heads);
-  const DecodeSplit range = decode_split(seq_lens[seq], split, num_splits, 1, min_split_keys);
-  if (range.key_begin >= range.key_end) return;
+  const DecodeSplit range = decode_split(rows.context + rows.q_len, split, num_splits, 1, min_split_keys);
+  if (split >= range.used_parts) return;
 
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_tile = reinterpret_cast<float*>(smem);  // [16][LD], then the K/V tiles
@@ -161,37 +183,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < R; ++r) {
     if (warp_row + r >= rows.count()) continue;
     const DecodeSink<float> sink =
-        decode_sink<float, D>(out, o_part, lse_part, rows, warp_row + r, seq, split, num_splits, range.direct);
+        decode_sink<float, D>(out, o_part, lse_part, rows, warp_row + r, seq, split, num_splits, range.direct());
     const float inv = 1.f / st.l[r];
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) sink.store(lane + 32 * i, st.o[r][i] * inv);
     if (lane == 0) sink.store_lse(st.m[r] + log2f(st.l[r]));
   }
-}
-
-// ---- combine ----
-
-// Merges the parts of every sequence that used more than one:
-// out = sum_p 2^(lse_p - max) * o_p / sum_p 2^(lse_p - max), for parts of
-// per_part splits (num_splits / per_part of them in the workspace).
-// Launch: grid (Hq, B), block D (one thread per dim).
-template <typename T, int D>
-__global__ void __launch_bounds__(D)
-    decode_combine_kernel(T* __restrict__ out, const float* __restrict__ o_part, const float* __restrict__ lse_part,
-                          const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, int num_q_heads,
-                          int num_splits, int per_part, int min_split_keys) {
-  const int head = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
-  const int seq_len = seq_lens[seq];
-  const int used = ceil_div(seq_len, split_length(seq_len, num_splits, min_split_keys) * per_part);
-  if (used <= 1) return;  // written directly by the attention kernel
-  const long long slot = (static_cast<long long>(seq) * num_q_heads + head) * (num_splits / per_part);
-  float lse_max = -infinity();
-  for (int p = 0; p < used; ++p) lse_max = fmaxf(lse_max, lse_part[slot + p]);
-  float total = 0.f, value = 0.f;
-  for (int p = 0; p < used; ++p) {
-    const float w = exp2f(lse_part[slot + p] - lse_max);
-    total += w;
-    value = fmaf(w, o_part[(slot + p) * D + d], value);
-  }
-  out[(static_cast<long long>(query_start_loc[seq]) * num_q_heads + head) * D + d] = from_float<T>(value / total);
+  if (!range.direct() && arrive_last(arrival_counter(num_splits), range.used_parts))
+    merge_parts<float, D>(out, o_part, lse_part, rows, first_row, seq, range.used_parts, num_splits);
 }

@@ -1,6 +1,7 @@
 // Split-K for paged decode attention: how a sequence's keys are cut into
-// splits and parts, where each part's result goes, and the on-chip merges of a
-// decode block's warps and of a cluster's blocks (attention_decode.cu).
+// splits and parts, where each part's result goes, the on-chip merges of a
+// decode block's warps and of a cluster's blocks, and the merge of the parts by
+// the block that stores the last of them (attention_decode.cu).
 #pragma once
 
 #include "attention_cluster.cuh"
@@ -13,34 +14,41 @@ namespace attn {
 // A sequence's keys are cut into splits of a multiple of kSplitAlign keys, at
 // least min_keys long (a multiple of kSplitAlign chosen by the launcher's plan:
 // a graph sized for long contexts must not cut a short one into tiny splits).
-// The attention kernels and the combine kernel all derive the split length from
-// seq_len.
+// Every block derives the split length from the device seq_len, so a short
+// sequence in a grid planned for long ones fills only its first splits.
 constexpr int kSplitAlign = 64;
+constexpr int kDecodeRows = 16;  // query heads per decode block: one m-tile
 
 // Keys per split when seq_len keys are shared by at most num_splits splits.
-// Short sequences get fewer, longer splits: the rest of the grid exits at once.
 __device__ __forceinline__ int split_length(int seq_len, int num_splits, int min_keys) {
   const int even = ceil_div(ceil_div(seq_len, num_splits), kSplitAlign) * kSplitAlign;
   return max(even, min_keys);
 }
 
-// The keys [key_begin, key_end) that split `split` of a sequence covers, with
-// parts of `per_part` splits. When the sequence fits in one part (direct), that
-// part writes the output itself.
+// The keys [key_begin, key_end) that split `split` of a sequence covers, and how
+// many parts of `per_part` splits hold keys (DecodePlan.parts_used in attention.py).
+// A sequence that fits in one part is written directly by that part.
 struct DecodeSplit {
   int key_begin, key_end;
-  bool direct;
+  int used_parts;
+
+  __device__ bool direct() const { return used_parts == 1; }
 };
 
 __device__ __forceinline__ DecodeSplit decode_split(int seq_len, int split, int num_splits, int per_part,
                                                     int min_keys) {
   const int len = split_length(seq_len, num_splits, min_keys);
-  return {split * len, min(seq_len, (split + 1) * len), seq_len <= len * per_part};
+  return {split * len, min(seq_len, (split + 1) * len), ceil_div(seq_len, len * per_part)};
+}
+
+// Workspace: o_part [B, Hq, P, D] (normalised per part), lse_part [B, Hq, P] (log2).
+// The slot of (sequence, packed row, part) in both.
+__device__ __forceinline__ long long part_slot(const PackedRows& rows, int row, int seq, int part, int num_parts) {
+  return (static_cast<long long>(seq) * rows.num_q_heads + rows.first_head + row) * num_parts + part;
 }
 
 // Where a decode block writes one query head: `out` when the part is direct,
-// else the part's slot of the workspace, which decode_combine_kernel reduces.
-// Workspace: o_part [B, Hq, P, D] (normalised per part), lse_part [B, Hq, P] (log2).
+// else the part's slot of the workspace, which merge_parts reduces.
 template <typename T>
 struct DecodeSink {
   T* out;       // the head's [D] in out
@@ -65,13 +73,79 @@ struct DecodeSink {
 template <typename T, int D>
 __device__ __forceinline__ DecodeSink<T> decode_sink(T* out, float* o_part, float* lse_part, const PackedRows& rows,
                                                      int row, int seq, int part, int num_parts, bool direct) {
-  const long long slot = (static_cast<long long>(seq) * rows.num_q_heads + rows.first_head + row) * num_parts + part;
+  const long long slot = part_slot(rows, row, seq, part, num_parts);
   return {out + rows.offset(row, D), o_part + slot * D, lse_part + slot, direct};
+}
+
+// ---- the parts' merge, by the block that stores the last part ----
+
+// Every thread of a block that has stored its share of the parts calls this;
+// `arrivals` blocks of the same (sequence, kv head, head chunk) share `counter`.
+// True in the block that arrives last, which then sees every other block's
+// stores. That block resets the counter, so the next launch (a graph replay)
+// starts from zero again. As in cooperative groups' grid barrier, thread 0
+// counts the block in with release semantics, which cover the stores the block
+// barrier ordered before it, and acquire semantics, which the closing barrier
+// extends to the whole block.
+__device__ __forceinline__ bool arrive_last(unsigned* counter, unsigned arrivals) {
+  __syncthreads();
+  bool last = false;
+  if (threadIdx.x == 0) {
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+    last = before == arrivals - 1;
+    if (last) *counter = 0u;  // every block of this launch has counted itself in
+  }
+  return __syncthreads_or(last);
+}
+
+// out rows = the parts merged by their log-sum-exps. Each thread owns 4 dims of a
+// row and folds the parts in part order, so the result does not depend on which
+// block arrived last. It loads kMergeBatch parts before folding any, so their
+// trips to L2 (where the other SMs' stores are) overlap.
+constexpr int kMergeBatch = 8;
+
+template <typename T, int D>
+__device__ __forceinline__ void merge_parts(T* out, const float* o_part, const float* lse_part,
+                                            const PackedRows& rows, int first_row, int seq, int used_parts,
+                                            int num_parts) {
+  constexpr int VEC = 4, COLS = D / VEC;
+  const int num_rows = min(kDecodeRows, rows.count() - first_row);
+  for (int e = threadIdx.x; e < num_rows * COLS; e += kThreads) {
+    const int r = e / COLS, d = (e % COLS) * VEC;
+    const long long slot = part_slot(rows, first_row + r, seq, 0, num_parts);
+    // Online softmax over the parts, in log2 units; every used part holds keys, so its lse is finite.
+    float lse_max = -infinity(), total = 0.f, acc[VEC] = {0.f, 0.f, 0.f, 0.f};
+    for (int p0 = 0; p0 < used_parts; p0 += kMergeBatch) {
+      float lse[kMergeBatch];
+      float4 o[kMergeBatch];
+#pragma unroll
+      for (int i = 0; i < kMergeBatch; ++i) {
+        if (p0 + i >= used_parts) break;
+        lse[i] = __ldcg(lse_part + slot + p0 + i);
+        o[i] = __ldcg(reinterpret_cast<const float4*>(o_part + (slot + p0 + i) * D + d));
+      }
+#pragma unroll
+      for (int i = 0; i < kMergeBatch; ++i) {
+        if (p0 + i >= used_parts) break;
+        const float new_max = fmaxf(lse_max, lse[i]);
+        const float rescale = exp2f(lse_max - new_max), w = exp2f(lse[i] - new_max);
+        total = fmaf(total, rescale, w);
+        acc[0] = fmaf(acc[0], rescale, w * o[i].x);
+        acc[1] = fmaf(acc[1], rescale, w * o[i].y);
+        acc[2] = fmaf(acc[2], rescale, w * o[i].z);
+        acc[3] = fmaf(acc[3], rescale, w * o[i].w);
+        lse_max = new_max;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] /= total;
+    store_floats<VEC>(out + rows.offset(first_row + r, D) + d, acc);
+  }
 }
 
 // ---- merges of the bf16 / fp16 decode kernel ----
 
-constexpr int kDecodeRows = 16;  // query heads per block: one m-tile
 constexpr int kDecodeCluster = 8;  // splits per part of the bf16 / fp16 kernel: DECODE_CLUSTER in attention.py
 
 // Shared memory of the final merges, laid over the freed K/V tiles (floats):
@@ -98,18 +172,22 @@ struct DecodeMergeSmem {
 };
 
 // Merges the four warps' softmax states into the block's normalised output
-// (in warp_o's first [16][D]) and its log-sum-exp per row.
+// (in warp_o's first [16][D]) and its log-sum-exp per row. Only the first
+// num_rows rows are real heads (a GQA group of 4 fills a quarter of the m-tile),
+// so only they are moved through shared memory; the rest of warp_o is never read.
 template <int D>
 __device__ __forceinline__ void merge_warps(const DecodeMergeSmem<D>& sm, const float (&m)[1][2],
-                                            const float (&l)[1][2], const float (&o)[1][D / 8][4]) {
+                                            const float (&l)[1][2], const float (&o)[1][D / 8][4], int num_rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = warp * kDecodeRows + lane / 4 + 8 * half;
+    if (lane / 4 + 8 * half < num_rows) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-      *reinterpret_cast<float2*>(sm.warp_o + r * D + dt * 8 + (lane % 4) * 2) =
-          make_float2(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<float2*>(sm.warp_o + r * D + dt * 8 + (lane % 4) * 2) =
+            make_float2(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
+    }
     if (lane % 4 == 0) {
       sm.warp_m[r] = m[0][half];
       sm.warp_l[r] = l[0][half];
@@ -131,7 +209,7 @@ __device__ __forceinline__ void merge_warps(const DecodeMergeSmem<D>& sm, const 
   }
   __syncthreads();
   // Each element is read and rewritten by one thread only, so warp 0's rows take the result in place.
-  for (int e = threadIdx.x; e < kDecodeRows * D; e += kThreads) {
+  for (int e = threadIdx.x; e < num_rows * D; e += kThreads) {
     const int r = e / D;
     float value = 0.f;
 #pragma unroll

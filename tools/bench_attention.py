@@ -6,8 +6,11 @@ Llama-3.1-8B attention: 32 query heads sharing 8 kv heads of 128, blocks of 16
 tokens scattered over the cache. Decode (one token per sequence) at batch 1 and 64
 with 1k to 32k contexts is bound by reading K and V: bytes read / time, divided by
 the device-to-device copy rate of the same run (bytes read plus written), says how
-much of the memory system it uses. Prefill is an 8k-token prompt (and 8 prompts of
-1k), counted as 4 * Hq * D FLOPs per (query, visible key) pair.
+much of the memory system it uses. Batch 1 at 128 tokens is bound by latency: it is
+timed in graphs planned for 128, 8192 and 131072 keys (an engine's decode graphs are
+planned for max_model_len), with 8 kv heads (Llama) and 4 (Qwen3-MoE).
+Prefill is an 8k-token prompt (and 8 prompts of 1k), counted as 4 * Hq * D FLOPs per
+(query, visible key) pair.
 Each case cycles through enough caches to exceed twice the L2, as the layers of a
 model do, and the timed launches are replayed from one CUDA graph.
 """
@@ -42,8 +45,10 @@ class Bench(DeviceBench):
                              driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, self.device.handle)
         self.last_plan: attention.DecodePlan | None = None  # the plan of the last decode case timed
 
-    def step(self, query_lens: list[int], seq_lens: list[int]) -> tuple[CudaAttentionMetadata, int]:
-        """Device metadata of one step whose sequences own scattered blocks; and the blocks in use."""
+    def step(self, query_lens: list[int], seq_lens: list[int],
+             max_seq_len: int | None = None) -> tuple[CudaAttentionMetadata, int]:
+        """Device metadata of one step whose sequences own scattered blocks, its decode plan made
+        for max_seq_len keys (default: the longest sequence); and the blocks in use."""
         blocks_needed = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
         order = np.random.default_rng(0).permutation(sum(blocks_needed)).astype(np.int32)
         tables = np.zeros((len(seq_lens), max(blocks_needed)), np.int32)
@@ -51,21 +56,23 @@ class Bench(DeviceBench):
             tables[s, :blocks_needed[s]] = order[start:start + blocks_needed[s]]
         arrays = (np.concatenate([[0], np.cumsum(query_lens)]), np.asarray(seq_lens), tables, np.zeros(sum(query_lens)))
         query_start_loc, lens, block_tables, slots = (self.upload(a, DType.int32) for a in arrays)
-        meta = CudaAttentionMetadata(query_start_loc, lens, block_tables, slots, max(query_lens), max(seq_lens))
+        meta = CudaAttentionMetadata(query_start_loc, lens, block_tables, slots, max(query_lens),
+                                     max_seq_len or max(seq_lens))
         return meta, sum(blocks_needed)
 
-    def caches(self, num_blocks: int) -> list:
+    def caches(self, num_blocks: int, num_kv_heads: int) -> list:
         """(k_cache, v_cache) pairs, enough of them to be twice the L2 together."""
-        shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        shape = (num_blocks, num_kv_heads, BLOCK_SIZE, HEAD_DIM)
         pair_bytes = 2 * math.prod(shape) * self.dtype.itemsize
         return [(self.ones(shape), self.ones(shape)) for _ in range(math.ceil(2 * self.l2_bytes / pair_bytes))]
 
-    def time(self, query_lens: list[int], seq_lens: list[int], decode: bool) -> float:
+    def time(self, query_lens: list[int], seq_lens: list[int], decode: bool, num_kv_heads: int = NUM_KV_HEADS,
+             max_seq_len: int | None = None) -> float:
         """Seconds per attention call over one step's sequences."""
-        meta, num_blocks = self.step(query_lens, seq_lens)
+        meta, num_blocks = self.step(query_lens, seq_lens, max_seq_len)
         q = self.ones((sum(query_lens), NUM_Q_HEADS, HEAD_DIM))
         out = self.allocator.empty(q.shape, self.dtype)
-        caches = self.caches(num_blocks)
+        caches = self.caches(num_blocks, num_kv_heads)
         rotation = itertools.cycle(caches)
         scale = HEAD_DIM ** -0.5
         if decode:
@@ -108,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {batch} | {context} | {plan.num_splits} / {plan.cluster} / {plan.num_parts} | "
                   f"{seconds * 1e6:.1f} | {kv_bytes / seconds / 1e12:.2f} | {kv_bytes / seconds / copy_rate:.2f} |",
                   flush=True)
+    print("\n| batch-1 decode | kv heads | context | graph planned for | splits / cluster / parts (used) | us/call |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    context = 128
+    for num_kv_heads in (NUM_KV_HEADS, 4):
+        for planned in (context, 8192, 131072):
+            seconds = bench.time([1], [context], decode=True, num_kv_heads=num_kv_heads, max_seq_len=planned)
+            plan = bench.last_plan
+            print(f"| 1 | {num_kv_heads} | {context} | {planned} | {plan.num_splits} / {plan.cluster} / "
+                  f"{plan.num_parts} ({plan.parts_used(context)}) | {seconds * 1e6:.1f} |", flush=True)
     print("\n| prefill | tokens | ms/call | TFLOP/s |")
     print("| --- | --- | --- | --- |")
     for name, query_lens in (("one prompt", [8192]), ("8 prompts", [1024] * 8)):

@@ -9,6 +9,7 @@ kernel that reads past a sequence, or through a wrong block, fails loudly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -19,8 +20,13 @@ from sparkd.backend.base import AttentionMetadata
 from sparkd.backend.dtypes import DType
 
 attention = pytest.importorskip("sparkd.backend.cuda.kernels.attention")
+from cuda.bindings import driver  # noqa: E402
+
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
+from sparkd.backend.cuda.driver import call  # noqa: E402
+from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
+from sparkd.backend.cuda.transfer import copy_to_device  # noqa: E402
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -152,7 +158,7 @@ def test_decode_matches_dense(gpu, rel_error, tolerance, dtype, head_dim):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_split_k_over_32k_context(gpu, rel_error, tolerance, dtype):
     seq_lens = [32768, 20001]
-    assert h200_plan(2, 8, 2, 128, dtype, 32768).num_parts > 1  # the case really goes through the combine kernel
+    assert h200_plan(2, 8, 2, 128, dtype, 32768).num_parts > 1  # the case really merges parts through the workspace
     batch = make_batch(np.random.default_rng(2), [1, 1], seq_lens, 8, 2, 128, 16)
     out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 128 ** -0.5, decode=True)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 128 ** -0.5)) <= tolerance[dtype]
@@ -160,11 +166,12 @@ def test_decode_split_k_over_32k_context(gpu, rel_error, tolerance, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_with_loose_max_seq_len_as_in_a_graph(gpu, rel_error, tolerance, dtype):
+@pytest.mark.parametrize("max_seq_len", [32768, 131072])
+def test_decode_with_loose_max_seq_len_as_in_a_graph(gpu, rel_error, tolerance, dtype, max_seq_len):
     """A captured graph sizes its grid for the longest context it serves; shorter ones must still be exact."""
-    seq_lens = [3, 129, 700, 2500]
-    batch = make_batch(np.random.default_rng(3), [1] * 4, seq_lens, 16, 4, 128, 16)
-    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True, max_seq_len=32768)
+    seq_lens = [3, 129, 700, 2500, 1, 128]
+    batch = make_batch(np.random.default_rng(3), [1] * len(seq_lens), seq_lens, 16, 4, 128, 16)
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True, max_seq_len=max_seq_len)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
 
 
@@ -202,7 +209,7 @@ def test_decode_of_short_contexts_runs_unsplit(gpu, rel_error, tolerance, dtype)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_of_many_sequences_of_mixed_length(gpu, rel_error, tolerance, dtype):
     """A batch just short of filling the GPU: on the H200, bf16 splits in single clusters
-    (no combine), and the shorter sequences use fewer of the 8 splits."""
+    (no merge through the workspace), and the shorter sequences use fewer of the 8 splits."""
     rng = np.random.default_rng(9)
     seq_lens = [1, 1100, *rng.integers(1, 1100, 30)]
     batch = make_batch(rng, [1] * len(seq_lens), seq_lens, 16, 4, 64, 16)
@@ -219,6 +226,96 @@ def test_decode_and_prefill_kernels_agree_on_a_decode_batch(gpu, rel_error, tole
     by_decode, _ = run(gpu, batch, dtype, 0.1, decode=True)
     by_prefill, _ = run(gpu, batch, dtype, 0.1, decode=False)
     assert rel_error(by_decode, by_prefill) <= tolerance[dtype]
+
+
+# ---- one graph, planned for long contexts, replayed with any context ----
+
+_NAN_BITS = {"float32": (32, 0x7FC00000), "bfloat16": (16, 0x7FC0), "float16": (16, 0x7E00)}
+
+
+class ReplayedDecode:
+    """decode_attention captured once in a graph whose plan is for plan_len keys (as the
+    engine's decode graphs are, for max_model_len), over caches that hold `capacity` keys
+    per sequence. replay(seq_lens) rewrites the device seq_lens, fills out with NaN (so a
+    row the kernel fails to write shows), replays and returns out as float32."""
+
+    def __init__(self, gpu, dtype: str, num_seqs: int, num_kv_heads: int, capacity: int, plan_len: int, seed: int):
+        self.gpu, self.dtype = gpu, dtype
+        self.batch = make_batch(np.random.default_rng(seed), [1] * num_seqs, [capacity] * num_seqs, 32,
+                                num_kv_heads, 128, 16)
+        self.q, self.k_cache, self.v_cache = (gpu.upload(a, dtype) for a in
+                                              (self.batch.q, self.batch.k_cache, self.batch.v_cache))
+        self.held = tuple(gpu.download(t).astype(np.float32) for t in (self.q, self.k_cache, self.v_cache))
+        self.meta = upload_meta(gpu, self.batch.meta, max_seq_len=plan_len)
+        numel = attention.decode_workspace_numel(self.q, self.k_cache, self.meta)
+        self.workspace = gpu.empty((numel,), DType.float32) if numel else None
+        self.plan = attention.decode_plan(self.q, self.k_cache, self.meta, self.workspace)
+        self.out = gpu.empty(self.q.shape, self.q.dtype)
+        self._launch()  # eagerly first: loads the kernels outside the capture
+        self.graph, _ = capture(gpu.stream, self._launch)
+
+    def _launch(self) -> None:
+        attention.decode_attention(self.out, self.q, self.k_cache, self.v_cache, self.meta, 128 ** -0.5,
+                                   self.gpu.stream, workspace=self.workspace)
+
+    def replay(self, seq_lens) -> np.ndarray:
+        copy_to_device(self.meta.seq_lens, np.asarray(seq_lens, np.int32), self.gpu.stream)
+        width, bits = _NAN_BITS[self.dtype]
+        memset = driver.cuMemsetD32Async if width == 32 else driver.cuMemsetD16Async
+        call(memset, self.out.ptr, bits, self.out.numel, self.gpu.stream.handle)
+        self.graph.replay(self.gpu.stream)
+        return self.gpu.download(self.out)
+
+    def expected(self, seq_lens) -> np.ndarray:
+        meta = dataclasses.replace(self.batch.meta, seq_lens=np.asarray(seq_lens, np.int32),
+                                   max_seq_len=max(seq_lens))
+        return dense_attention(*self.held, meta, 128 ** -0.5)
+
+    def check(self, steps, rel_error, tolerance) -> None:
+        """Replays every step; a step equal to the one before must give the same bits."""
+        previous_lens, previous_out = None, None
+        for seq_lens in steps:
+            out = self.replay(seq_lens)
+            error = rel_error(out, self.expected(seq_lens))
+            assert error <= tolerance[self.dtype], (seq_lens, error)
+            if seq_lens == previous_lens:
+                assert np.array_equal(out, previous_out), seq_lens
+            previous_lens, previous_out = seq_lens, out
+
+    def close(self) -> None:
+        self.graph.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_kv_heads", [8, 4])
+@pytest.mark.parametrize("plan_len", [4096, 8192, 131072])
+def test_decode_graph_planned_for_long_contexts_replays_any_context(gpu, rel_error, tolerance, dtype, num_kv_heads,
+                                                                    plan_len):
+    """Batch 1, 32 query heads: a short context is written by its one part, a long one merges
+    its parts in the launch; repeated replays prove the arrival counters start from zero each
+    time and that the merge's order does not depend on which block finishes last. bf16 at
+    4096 plans thread-block clusters on the H200, the others plain splits."""
+    decode = ReplayedDecode(gpu, dtype, 1, num_kv_heads, 8192, plan_len, seed=plan_len + num_kv_heads)
+    try:
+        assert decode.plan.parts_used(128) == 1 < decode.plan.parts_used(8192)
+        steps = [[128], [128], [1], [8192], [8192], [8192], [129], [4097], [17], [128]]
+        decode.check(steps, rel_error, tolerance)
+    finally:
+        decode.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graph_of_a_mixed_batch_replays_any_contexts(gpu, rel_error, tolerance, dtype):
+    """Three sequences, each with its own counter per kv head, in one graph planned for 128k keys."""
+    decode = ReplayedDecode(gpu, dtype, 3, 8, 5000, 131072, seed=11)
+    try:
+        assert decode.plan.num_parts > 1
+        steps = [[128, 1, 5000], [5000, 128, 1], [5000, 128, 1], [3000, 3000, 3000], [1, 1, 1], [4999, 17, 2048]]
+        decode.check(steps, rel_error, tolerance)
+    finally:
+        decode.close()
 
 
 # ---- host-side rules: no GPU needed ----
@@ -255,9 +352,9 @@ def test_llama_decode_plans_on_the_h200():
     # The rules follow the H200 measurements quoted in plan_decode's docstring.
     # Batch 1 at 1k: one cluster of 8 splits per kv head merges on chip; no workspace, no combine kernel.
     assert h200_plan(1, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(8, 8)
-    # Batch 1 at 4k: four clusters, merged by the combine kernel.
+    # Batch 1 at 4k: four clusters, merged through the workspace by the last to finish.
     assert h200_plan(1, 32, 8, 128, "bfloat16", 4096) == attention.DecodePlan(32, 8)
-    # Batch 1 at 32k: past MAX_CLUSTER_PARTS clusters, plain splits and the combine kernel.
+    # Batch 1 at 32k: past MAX_CLUSTER_PARTS clusters, plain splits merged the same way.
     long = h200_plan(1, 32, 8, 128, "bfloat16", 32768)
     assert long.cluster == 1 and long.num_splits > attention.MAX_CLUSTER_PARTS * attention.DECODE_CLUSTER
     # Batch 64 fills the GPU unsplit, at any context.
@@ -274,6 +371,32 @@ def test_decode_without_workspace_still_splits_in_one_cluster():
     assert h200_plan(1, 32, 8, 128, "bfloat16", 32768, workspace_numel=0) == attention.DecodePlan(8, 8)
     assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=0) == attention.DecodePlan(1, 1)
 
+
+def test_parts_used_follow_the_kernels_split_rule():
+    plain = attention.DecodePlan(42, 1)
+    # Splits are multiples of 64 keys and at least MIN_SPLIT_KEYS long.
+    assert [plain.parts_used(n) for n in (1, 128, 129, 256, 257, 8192)] == [1, 1, 2, 2, 3, 32]
+    clustered = attention.DecodePlan(32, 8)
+    assert [clustered.parts_used(n) for n in (1, 1024, 1025, 4096, 8192)] == [1, 1, 2, 4, 4]
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 4])
+@pytest.mark.parametrize("plan_len", [8192, 131072])
+def test_a_graph_planned_for_long_contexts_writes_128_keys_in_one_part(num_kv_heads, plan_len):
+    """The batch-1 decode graph of an engine with max_model_len plan_len: at 128 keys one
+    block per kv head writes out, so the call costs about one short launch."""
+    plan = h200_plan(1, 32, num_kv_heads, 128, "bfloat16", plan_len)
+    assert plan.num_parts > 1 and plan.num_splits <= attention.MAX_SPLITS
+    assert plan.parts_used(128) == 1
+    assert 1 < plan.parts_used(plan_len) <= plan.num_parts
+
+
+def test_batches_beyond_the_arrival_counters_are_not_split():
+    """Even where more SMs than the kernels' arrival counters would ask for splits."""
+    num_seqs = attention.DECODE_COUNTERS // 8  # one counter per (sequence, kv head)
+    sizes = attention.AttentionSizes(num_seqs, 32, 8, 128, 16, num_seqs, DType.bfloat16)
+    plan = attention.plan_decode(sizes, 32768, 2 * attention.DECODE_COUNTERS, H200_SHARED_PER_BLOCK, 1 << 40)
+    assert plan == attention.DecodePlan(1, 1)
 
 def _tensor(shape, dtype=DType.bfloat16, ptr=1 << 20):
     return DeviceTensor(ptr, shape, dtype)

@@ -24,8 +24,10 @@ from ..tensor import DeviceTensor
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (DType.bfloat16, DType.float16, DType.float32)
-MIN_SPLIT_KEYS = 128  # a multiple of kSplitAlign (attention_split.cuh)
+SPLIT_ALIGN = 64  # kSplitAlign (attention_split.cuh): split lengths are multiples of it
+MIN_SPLIT_KEYS = 128  # a multiple of SPLIT_ALIGN
 MAX_SPLITS = 128  # a multiple of DECODE_CLUSTER
+DECODE_COUNTERS = 4096  # kMaxDecodeCounters (attention_decode.cu): unsplit blocks a split launch may have
 DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
 DECODE_CLUSTER = 8  # kDecodeCluster: splits a bf16 / fp16 thread-block cluster merges on chip
 MAX_CLUSTER_PARTS = 4  # see plan_decode
@@ -74,12 +76,8 @@ def _decode_spec(dtype: DType, head_dim: int, cluster: int) -> KernelSpec:
     return KernelSpec("attention_decode.cu", f"{name}<{dtype.c_type}, {head_dim}>")
 
 
-def _combine_spec(dtype: DType, head_dim: int) -> KernelSpec:
-    return KernelSpec("attention_decode.cu", f"decode_combine_kernel<{dtype.c_type}, {head_dim}>")
-
-
 SPECS = [spec for dtype in DTYPES for head_dim in HEAD_DIMS
-         for spec in (_prefill_spec(dtype, head_dim), _decode_spec(dtype, head_dim, 1), _combine_spec(dtype, head_dim),
+         for spec in (_prefill_spec(dtype, head_dim), _decode_spec(dtype, head_dim, 1),
                       *([] if dtype is DType.float32 else [_decode_spec(dtype, head_dim, DECODE_CLUSTER)]))]
 
 
@@ -181,9 +179,11 @@ class DecodePlan:
 
     num_splits blocks share a sequence's keys (grid.x = head chunks x num_splits);
     `cluster` consecutive splits form a part, merged on chip by a thread-block cluster
-    (1: no cluster); the combine kernel merges the num_parts parts through the workspace.
-    A split holds at least min_split_keys keys, so a sequence shorter than the plan's
-    max_seq_len uses fewer splits (the rest of the grid exits at once)."""
+    (1: no cluster). The parts go through the workspace, and the block that stores the
+    last of a sequence's parts merges them, in the same launch. A split holds at least
+    min_split_keys keys, so a sequence shorter than the plan's max_seq_len uses fewer
+    splits (the rest of the grid exits at once), and one that fits in one part is
+    written directly."""
 
     num_splits: int
     cluster: int
@@ -192,6 +192,12 @@ class DecodePlan:
     @property
     def num_parts(self) -> int:
         return self.num_splits // self.cluster
+
+    def parts_used(self, seq_len: int) -> int:
+        """Parts that hold keys of a sequence of seq_len keys, as the kernels cut it
+        (decode_split in attention_split.cuh); 1: written directly, no merge."""
+        even = math.ceil(math.ceil(seq_len / self.num_splits) / SPLIT_ALIGN) * SPLIT_ALIGN
+        return math.ceil(seq_len / (max(even, self.min_split_keys) * self.cluster))
 
 
 def _decode_blocks(sizes: AttentionSizes) -> int:
@@ -221,17 +227,19 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
     """The splits that fill the GPU best, as far as `workspace_numel` floats hold the parts.
 
     Rules measured on the H200 (docs/benchmarks.md, bf16, D 128):
-    - A batch whose unsplit blocks already give every SM one is not split. Splitting it
+    - A batch whose unsplit blocks already give every SM one is not split (nor one with
+      more than DECODE_COUNTERS, the kernels' arrival counters). Splitting it
       pays only at long contexts (batch 64: 0.81-0.97 of the copy rate at 4k-32k keys
       against 0.67-0.69 unsplit), but a decode graph's plan is fixed at max_model_len,
       and there the splits of short sequences sit empty: batch 64 at 1k keys in a graph
       planned for 8k ran at 0.43 of the roofline against 0.69 unsplit.
     - bf16 / fp16 splits merged on chip by a cluster of DECODE_CLUSTER pay off while a
       sequence needs at most MAX_CLUSTER_PARTS clusters (1k-4k keys at batch 1: 7.3 us
-      against 12.2 us at 1k); past that, plain splits and the combine kernel are faster.
+      against 12.2 us at 1k); past that, plain splits merged through the workspace are
+      faster (measured when a second kernel merged the parts).
     fp32 always splits one by one."""
     blocks = _decode_blocks(sizes)
-    if blocks >= num_sms:
+    if blocks >= min(num_sms, DECODE_COUNTERS):
         return DecodePlan(1, 1)
     per_sm = _blocks_per_sm(_decode_smem_bytes(sizes), max_shared_per_block)
     max_parts = max(1, workspace_numel // _part_numel(sizes))
@@ -273,9 +281,12 @@ def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, 
     """out [B, Hq, D] = attention of each sequence's one new token (row query_start_loc[b]
     of q) to its cached keys 0..seq_lens[b]-1, split over the keys when that fills the GPU better.
 
-    The grid depends only on host sizes (meta.max_seq_len, the SM count, the
-    workspace): blocks read each sequence's length from the device seq_lens, so a
-    captured graph replays correctly for any context up to meta.max_seq_len.
+    One launch: the grid depends only on host sizes (meta.max_seq_len, the SM count,
+    the workspace), and blocks read each sequence's length from the device seq_lens,
+    so a captured graph replays correctly for any context (a short one in about the
+    time of its one part). The parts' merge counts arrivals in counters of the kernels'
+    module, which every split launch leaves at zero: split launches must not run on two
+    streams at once.
     workspace: float32 of at least decode_workspace_numel(q, k_cache, meta)
     elements; with None (or less) the splits form fewer parts, or one part that needs none."""
     sizes = _check(out, q, k_cache, v_cache, meta)
@@ -289,7 +300,7 @@ def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, 
                  f"workspace must be contiguous float32, got {workspace}")
     plan = decode_plan(q, k_cache, meta, workspace)
     if plan.num_parts == 1:
-        # Every sequence fits one part and is written directly: no workspace is touched.
+        # Every sequence fits one part and is written directly: no workspace or counter is touched.
         o_part = lse_part = np.uint64(0)
     else:
         o_part = DeviceTensor(workspace.ptr, (sizes.num_seqs, sizes.num_q_heads, plan.num_parts, sizes.head_dim),
@@ -302,9 +313,3 @@ def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, 
         [out, o_part, lse_part, *_common_args(q, k_cache, v_cache, meta, sizes, scale), np.int32(plan.num_splits),
          np.int32(plan.min_split_keys)],
         shared_mem=_decode_smem_bytes(sizes), stream=stream)
-    if plan.num_parts > 1:
-        get_kernel(_combine_spec(sizes.dtype, sizes.head_dim)).launch(
-            (sizes.num_q_heads, sizes.num_seqs), sizes.head_dim,
-            [out, o_part, lse_part, meta.query_start_loc, meta.seq_lens, np.int32(sizes.num_q_heads),
-             np.int32(plan.num_splits), np.int32(plan.cluster), np.int32(plan.min_split_keys)],
-            stream=stream)
