@@ -2,8 +2,10 @@
 // The chosen ids equal the reference's whenever no two candidates are within
 // float rounding of each other (expf/logf differ from numpy by an ulp at most).
 //
-// One block of kThreads threads per row; each step is a pass over the row
-// (L2-resident at these sizes), so V is limited only by the workspace:
+// One block of kThreads threads per row, for batches that fill the GPU
+// (sampling_split.cu spreads the rows of small batches over many blocks); each
+// step is a pass over the row (L2-resident at these sizes), so V is limited
+// only by the workspace:
 //   1. penalties and banned ids (rows that have any) write the processed row
 //      into work; other rows read the logits directly;
 //   2. temperature 0: argmax, lowest id on ties; otherwise value = x / T and
@@ -18,77 +20,12 @@
 // order-preserving float keys weighted by counts (top-k) or mass (top-p); it
 // finds the exact cut without sorting. Arithmetic that must match numpy bit
 // for bit uses __f*_rn intrinsics, which the compiler never fuses into FMAs.
-#include "common.cuh"
+#include "sampling_common.cuh"
 
 using namespace sparkd;
 
 constexpr int kThreads = 1024;
 constexpr int kMaxTop = 64;  // most top logprobs per row
-
-// ---- Philox4x32-10, in the layout of sparkd/backend/cpu/philox.py ----
-
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1) {
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    if (round) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    const unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
-    const unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
-    c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
-  }
-  return c;
-}
-
-// E = -log(u) for vocab ids 4 * group + j, j = 0..3.
-__device__ __forceinline__ void arrival_times(unsigned long long seed, unsigned long long step, int group,
-                                              float (&arrival)[4]) {
-  const uint4 w = philox4x32_10(make_uint4(group, static_cast<unsigned>(step), static_cast<unsigned>(step >> 32), 0u),
-                                static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32));
-  const unsigned words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) arrival[j] = -logf((static_cast<float>(words[j] >> 9) + 0.5f) * 0x1p-23f);
-}
-
-// ---- the row's steps ----
-
-constexpr int kInPrompt = 1, kBanned = 2, kOutputCount = 4;  // mark bits; the count sits above bit 1
-
-// work[i] = logits[i] after the repetition, presence and frequency penalties
-// and the bans, as sampler.apply_penalties + ban_tokens. The ids are first
-// tallied into work itself as int marks. Ids outside [0, vocab) are ignored.
-__device__ void penalize_row(float* work, const float* logits, int vocab, const int* prompt_ids, int prompt_len,
-                             const int* output_ids, int output_len, const int* banned_ids, int banned_len,
-                             float repetition, float presence, float frequency) {
-  int* marks = reinterpret_cast<int*>(work);
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x) marks[i] = 0;
-  __syncthreads();
-  const auto tally = [&](const int* ids, int len, int bit) {
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-      const int id = ids[j];
-      if (id < 0 || id >= vocab) continue;
-      if (bit == kOutputCount) atomicAdd(&marks[id], kOutputCount);
-      else atomicOr(&marks[id], bit);
-    }
-  };
-  tally(prompt_ids, prompt_len, kInPrompt);
-  tally(output_ids, output_len, kOutputCount);
-  tally(banned_ids, banned_len, kBanned);
-  __syncthreads();
-  for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const int mark = marks[i];
-    float x = logits[i];
-    const int count = mark / kOutputCount;
-    if (repetition != 1.f && (count > 0 || (mark & kInPrompt))) {
-      x = x > 0.f ? __fdiv_rn(x, repetition) : __fmul_rn(x, repetition);
-    }
-    if (count > 0) x = __fsub_rn(x, __fadd_rn(__fmul_rn(static_cast<float>(count), frequency), presence));
-    if (mark & kBanned) x = -infinity();
-    work[i] = x;
-  }
-  __syncthreads();
-}
 
 struct RowParams {
   float temperature, top_p, min_p;
@@ -240,16 +177,17 @@ sample_kernel(int* __restrict__ out_tokens, float* __restrict__ out_logprobs, in
   const int row = blockIdx.x;
   const long long row_offset = static_cast<long long>(row) * vocab;
   const float* raw = logits + row_offset;
-  const float repetition = repetition_penalty[row], presence = presence_penalty[row];
-  const float frequency = frequency_penalty[row];
-  bool has_ban = false;
-  for (int j = threadIdx.x; j < banned_len; j += blockDim.x) has_ban |= banned_ids[row * banned_len + j] >= 0;
+  const Penalties penalties{repetition_penalty[row], presence_penalty[row], frequency_penalty[row]};
   const float* x = raw;
-  if (__syncthreads_or(has_ban) || repetition != 1.f || presence != 0.f || frequency != 0.f) {
-    penalize_row(work + row_offset, raw, vocab, prompt_ids + static_cast<long long>(row) * prompt_len, prompt_len,
-                 output_ids + static_cast<long long>(row) * output_len, output_len,
-                 banned_ids + static_cast<long long>(row) * banned_len, banned_len, repetition, presence, frequency);
-    x = work + row_offset;
+  if (row_is_penalized(penalties, banned_ids + static_cast<long long>(row) * banned_len, banned_len)) {
+    float* row_work = work + row_offset;
+    int* marks = reinterpret_cast<int*>(row_work);  // the marks, then the penalised logits in their place
+    tally_marks(marks, 0, vocab, prompt_ids + static_cast<long long>(row) * prompt_len, prompt_len,
+                output_ids + static_cast<long long>(row) * output_len, output_len,
+                banned_ids + static_cast<long long>(row) * banned_len, banned_len);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) row_work[i] = penalized(raw[i], marks[i], penalties);
+    __syncthreads();
+    x = row_work;
   }
   const RowParams params{temperature[row], top_p[row], min_p[row], top_k[row], seeds[row],
                          static_cast<unsigned long long>(steps[row])};
@@ -260,4 +198,18 @@ sample_kernel(int* __restrict__ out_tokens, float* __restrict__ out_logprobs, in
                    out_top_ids + static_cast<long long>(row) * num_top,
                    out_top_logprobs + static_cast<long long>(row) * num_top, scratch);
   }
+}
+
+// The logprobs of tokens already drawn (by sample_split_kernel), as sample_kernel
+// writes them: tokens [B] int32 in, the other outputs as there.
+// Launch: grid = B blocks (one row each), block = kThreads threads.
+__global__ void __launch_bounds__(kThreads)
+logprobs_kernel(const int* __restrict__ tokens, float* __restrict__ out_logprobs, int* __restrict__ out_ranks,
+                int* __restrict__ out_top_ids, float* __restrict__ out_top_logprobs,
+                const float* __restrict__ logits, int vocab, int num_top) {
+  __shared__ SharedScratch scratch;
+  const int row = blockIdx.x;
+  write_logprobs(logits + static_cast<long long>(row) * vocab, vocab, tokens[row], num_top, out_logprobs + row,
+                 out_ranks + row, out_top_ids + static_cast<long long>(row) * num_top,
+                 out_top_logprobs + static_cast<long long>(row) * num_top, scratch);
 }

@@ -1,12 +1,18 @@
-"""Token sampling on the device (cukernels/sampling.cu), the twin of
-sparkd/backend/cpu/sampler.py: same processing order, same Philox draws, so the
-chosen ids agree whenever no two candidates tie to within float rounding.
+"""Token sampling on the device, the twin of sparkd/backend/cpu/sampler.py: same
+processing order, same Philox draws, so the chosen ids agree whenever no two
+candidates tie to within float rounding.
+
+Two kernels: small batches spread each row over many blocks
+(cukernels/sampling_split.cu, planned by `plan_split`), so that one row still
+uses the whole GPU; batches that fill it run one block per row
+(cukernels/sampling.cu). Logprobs after a split draw come from a second,
+one-block-per-row launch.
 
 For CudaOps:
   sample_async(logits, params, staging, downloads, allocator, stream) -> SampledTokens
-      the whole step: one H2D copy of the parameters, one kernel launch, one
-      D2H copy of the ids (and logprobs when params.num_logprobs >= 0) that the
-      caller waits for when it wants the results.
+      the whole step: one H2D copy of the parameters, the sampling launch(es),
+      one D2H copy of the ids (and logprobs when params.num_logprobs >= 0) that
+      the caller waits for when it wants the results.
 The pieces, for callers that keep inputs in static buffers (graphs):
   upload_inputs(params, staging, dest=None) -> SamplingInputs
   SamplerBuffers.allocate(allocator, num_rows, num_top)
@@ -15,22 +21,73 @@ The pieces, for callers that keep inputs in static buffers (graphs):
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
+from cuda.bindings import driver
 
 from ...base import SampledTokens, SamplerOutput, SamplingTensors
 from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
-from ..driver import Stream
+from ..driver import Stream, call, current_device
 from ..memory import DeviceAllocator
 from ..tensor import DeviceTensor
 from ..transfer import DownloadRing, StagingRing
-from . import i32, require, require_contiguous, require_dtype
+from . import i32, require, require_contiguous, require_dtype, round_up
 
-SPECS = [KernelSpec("sampling.cu", "sample_kernel")]
+_ROW_SPEC = KernelSpec("sampling.cu", "sample_kernel")
+_LOGPROBS_SPEC = KernelSpec("sampling.cu", "logprobs_kernel")
+_SPLIT_SPEC = KernelSpec("sampling_split.cu", "sample_split_kernel")
+SPECS = [_ROW_SPEC, _LOGPROBS_SPEC, _SPLIT_SPEC]
 _THREADS = 1024  # kThreads in sampling.cu
+_SPLIT_THREADS = 256  # kSplitThreads in sampling_split.cu
 MAX_TOP_LOGPROBS = 64  # kMaxTop in sampling.cu
+MAX_SPLIT_ROWS = 64  # kMaxSplitRows in sampling_split.cu
+# Ids per block of a split row: at least MIN_CHUNK (two per thread, or the barriers
+# cost more than the blocks save), at most MAX_CHUNK (the chunk sits in shared memory).
+MIN_CHUNK, MAX_CHUNK = 512, 4096
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Each row's ids cut into `splits` chunks of `chunk` ids (a multiple of 4), one block each."""
+
+    splits: int
+    chunk: int
+
+
+def plan_split(num_rows: int, vocab_size: int, num_sms: int, resident_blocks: int) -> SplitPlan | None:
+    """How sample_split_kernel cuts the rows, or None for one block per row.
+
+    Enough blocks to give every SM one (fewer for short rows: MIN_CHUNK ids each at
+    least), no more than MAX_CHUNK ids a block; split only while that takes at least
+    two blocks a row and the whole grid is resident at once (`resident_blocks`, the
+    device's capacity at the kernel's occupancy), since a row's blocks wait for each other."""
+    if not 0 < num_rows <= MAX_SPLIT_ROWS:
+        return None
+    splits = max(math.ceil(vocab_size / MAX_CHUNK), min(num_sms // num_rows, math.ceil(vocab_size / MIN_CHUNK)))
+    chunk = round_up(math.ceil(vocab_size / max(splits, 1)), 4)
+    splits = math.ceil(vocab_size / chunk)
+    if splits < 2 or num_rows * splits > resident_blocks:
+        return None
+    return SplitPlan(splits, chunk)
+
+
+@functools.cache
+def _resident_split_blocks() -> int:
+    """Blocks of sample_split_kernel the device holds at once, at the largest chunk."""
+    function = get_kernel(_SPLIT_SPEC).function
+    per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function, _SPLIT_THREADS, 4 * MAX_CHUNK)
+    return current_device().sm_count * per_sm
+
+
+def device_split_plan(num_rows: int, vocab_size: int) -> SplitPlan | None:
+    """`plan_split` for the current device."""
+    if not 0 < num_rows <= MAX_SPLIT_ROWS:
+        return None
+    return plan_split(num_rows, vocab_size, current_device().sm_count, _resident_split_blocks())
 
 
 @dataclass
@@ -148,11 +205,13 @@ def num_top_logprobs(num_logprobs: int, vocab_size: int) -> int:
 
 
 def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInputs,
-                  workspace: DeviceTensor | None, stream: Stream) -> None:
-    """Enqueue the sampling kernel: one block per row of logits [B, V] float32 (raw).
+                  workspace: DeviceTensor | None, stream: Stream, split: bool = True) -> None:
+    """Enqueue the sampling of logits [B, V] float32 (raw): split rows when
+    `device_split_plan` says so (and `split`), else one block per row.
 
-    workspace: [B, V] float32 scratch for the penalised rows; may be None when
-    `inputs.needs_workspace` is false. Capturable: no host sync, no allocation."""
+    workspace: [B, V] float32 scratch for the penalised rows of the one-block-per-row
+    kernel; may be None when `inputs.needs_workspace` is false or the launch splits
+    (`needs_row_workspace`). Capturable: no host sync, no allocation."""
     require(logits.ndim == 2, f"logits must be [B, V], got shape {logits.shape}")
     require_dtype("logits", logits, DType.float32)
     require_contiguous("logits", logits)
@@ -163,22 +222,46 @@ def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInp
     for name in _ID_FIELDS:
         ids = getattr(inputs, name)
         require(ids.ndim == 2 and ids.shape[0] == num_rows, f"{name} must be [B={num_rows}, n], got {ids.shape}")
-    if inputs.needs_workspace:
-        require(workspace is not None and workspace.shape == logits.shape and workspace.dtype is DType.float32,
-                f"penalties or banned ids need a float32 workspace of shape {logits.shape}, got {workspace}")
-        require_contiguous("workspace", workspace)
     if num_rows == 0:
         return
-    kernel = get_kernel(SPECS[0])
-    args = [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs,
-            workspace if workspace is not None else np.uint64(0), logits, i32(vocab_size),
-            inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.repetition_penalty,
+    plan = device_split_plan(num_rows, vocab_size) if split else None
+    if plan is None:
+        _launch_row_per_block(out, logits, inputs, workspace, stream)
+        return
+    args = [out.token_ids, logits, i32(vocab_size), i32(plan.chunk), *_parameter_args(inputs)]
+    get_kernel(_SPLIT_SPEC).launch((plan.splits, num_rows), _SPLIT_THREADS, args, shared_mem=4 * plan.chunk,
+                                   stream=stream)
+    if out.num_top >= 0:
+        get_kernel(_LOGPROBS_SPEC).launch(
+            num_rows, _THREADS, [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, logits,
+                                 i32(vocab_size), i32(out.num_top)], stream=stream)
+
+
+def needs_row_workspace(inputs: SamplingInputs, logits: DeviceTensor, split: bool = True) -> bool:
+    """Whether `launch_sample` needs its [B, V] float32 workspace for these inputs."""
+    return inputs.needs_workspace and not (split and device_split_plan(*logits.shape) is not None)
+
+
+def _parameter_args(inputs: SamplingInputs) -> list:
+    """The per-row parameters and id lists, in the kernels' argument order."""
+    return [inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.repetition_penalty,
             inputs.presence_penalty, inputs.frequency_penalty,
             inputs.prompt_token_ids, i32(inputs.prompt_token_ids.shape[1]),
             inputs.output_token_ids, i32(inputs.output_token_ids.shape[1]),
             inputs.banned_token_ids, i32(inputs.banned_token_ids.shape[1]),
-            inputs.seeds, inputs.steps, i32(out.num_top)]
-    kernel.launch(num_rows, _THREADS, args, stream=stream)
+            inputs.seeds, inputs.steps]
+
+
+def _launch_row_per_block(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInputs,
+                          workspace: DeviceTensor | None, stream: Stream) -> None:
+    if inputs.needs_workspace:
+        require(workspace is not None and workspace.shape == logits.shape and workspace.dtype is DType.float32,
+                f"penalties or banned ids need a float32 workspace of shape {logits.shape}, got {workspace}")
+        require_contiguous("workspace", workspace)
+    args = [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs,
+            workspace if workspace is not None else np.uint64(0), logits, i32(logits.shape[1]),
+            *_parameter_args(inputs), i32(out.num_top)]
+    get_kernel(_ROW_SPEC).launch(logits.shape[0], _THREADS, args, stream=stream)
 
 
 def sample_async(logits: DeviceTensor, params: SamplingTensors, staging: StagingRing, downloads: DownloadRing,
@@ -187,6 +270,6 @@ def sample_async(logits: DeviceTensor, params: SamplingTensors, staging: Staging
     inputs = upload_inputs(params, staging)
     num_rows, vocab_size = logits.shape
     out = SamplerBuffers.allocate(allocator, num_rows, num_top_logprobs(params.num_logprobs, vocab_size))
-    workspace = allocator.empty(logits.shape, DType.float32) if inputs.needs_workspace else None
+    workspace = allocator.empty(logits.shape, DType.float32) if needs_row_workspace(inputs, logits) else None
     launch_sample(out, logits, inputs, workspace, stream)
     return out.download_async(downloads, stream)
