@@ -36,10 +36,18 @@ def _down(expert_out=None, hidden=None, down=None, routing=None):
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,tile", [
-    (1, 128, 1), (8, 128, 1), (128, 128, 1), (129, 128, 4), (512, 128, 4), (513, 128, 16),
-    (10, 8, 4), (32, 8, 4), (33, 8, 16), (2056, 8, 16), (5, 1, 16)])
-def test_tile_covers_the_mean_rows_per_expert(num_pairs, num_experts, tile):
+    (1, 128, 8), (8, 128, 8), (128, 128, 8), (129, 128, 8), (256, 128, 8), (257, 128, 16), (512, 128, 16),
+    (513, 128, 32), (10, 8, 8), (16, 8, 8), (17, 8, 16), (32, 8, 16), (33, 8, 32), (2056, 8, 32), (5, 1, 32)])
+def test_tile_holds_four_times_the_mean_rows_per_expert(num_pairs, num_experts, tile):
+    """The smallest tile >= 4 x P / E rows (so a Poisson-spread expert rarely needs a second
+    pass over its weights), at most the largest."""
     assert moe_gemm.expert_tile(num_pairs, num_experts) == tile
+
+
+@pytest.mark.parametrize("tiles,slots,k_steps,split", [
+    (96, 8, 64, 2), (128, 8, 24, 1), (96, 128, 64, 1), (256, 2, 448, 2), (97, 4, 64, 4), (97, 4, 24, 2)])
+def test_k_split_keeps_one_wave_of_warps(tiles, slots, k_steps, split):
+    assert moe_gemm.choose_k_split(tiles, slots, k_steps, 132) == split
 
 
 def test_every_kernel_and_tile_is_registered():

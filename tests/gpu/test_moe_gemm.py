@@ -1,4 +1,5 @@
-"""The expert GEMM kernels (moe_gate_up, moe_down) against numpy in float64.
+"""The expert GEMM kernels (moe_gate_up, moe_down) against numpy in float64, under the
+launch plan the host picks and under every plan forced (rows per pass x K split).
 
 The routing tensors the alignment kernel would make (sorted_pairs, offsets,
 active_experts, num_active) are built on the host from `group_by_expert`, so these
@@ -11,6 +12,8 @@ Relative error is max |gpu - ref| / max |ref|: <= 1e-5 for fp32, <= 1e-2 for bf1
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import numpy as np
 import pytest
@@ -28,20 +31,21 @@ pytestmark = pytest.mark.gpu
 HIDDEN, INTER = 200, 88
 
 
-def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing):
-    """Both kernels on the device: (hidden [P, I], expert_out [P, H]) as numpy."""
+def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing, launch_plan=None):
+    """Both kernels on the device (launch_plan None: the launchers' own): (hidden [P, I],
+    expert_out [P, H]) as numpy."""
     sorted_pairs, offsets, active_experts, num_active = routing.upload(gpu)
     num_pairs, inter, hidden_size = routing.sorted_pairs.size, gate_up_dev.shape[1] // 2, gate_up_dev.shape[2]
     hidden = gpu.empty((num_pairs, inter), x_dev.dtype)
     expert_out = gpu.empty((num_pairs, hidden_size), DType.float32)
     moe_gemm.moe_gate_up(hidden, x_dev, gate_up_dev, sorted_pairs, offsets, active_experts, num_active,
-                         routing.expert_ids.shape[1], gpu.stream)
-    moe_gemm.moe_down(expert_out, hidden, down_dev, offsets, active_experts, num_active, gpu.stream)
+                         routing.expert_ids.shape[1], gpu.stream, launch_plan)
+    moe_gemm.moe_down(expert_out, hidden, down_dev, offsets, active_experts, num_active, gpu.stream, launch_plan)
     return gpu.download(hidden), gpu.download(expert_out)
 
 
-def _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing: Routing):
-    hidden, expert_out = _run(gpu, x_dev, gate_up_dev, down_dev, routing)
+def _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing: Routing, launch_plan=None):
+    hidden, expert_out = _run(gpu, x_dev, gate_up_dev, down_dev, routing, launch_plan)
     x, gate_up, down = gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev)
     hidden_ref, expert_out_ref = reference(x, gate_up, down, routing)
     assert np.all(np.isfinite(hidden)) and np.all(np.isfinite(expert_out)), "an idle expert's weights were used"
@@ -93,16 +97,53 @@ def test_one_expert_takes_every_token(gpu, rel_error, tolerance, dtype, top_k):
     _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("rows_per_pass", moe_gemm.M_TILES)
+@pytest.mark.parametrize("k_split", moe_gemm.K_SPLITS)
+def test_every_plan_matches_numpy(gpu, rel_error, tolerance, dtype, rows_per_pass, k_split):
+    """Forced plans on skewed routing: expert 3 takes 40 rows (several passes at any tile,
+    a partial last one), others one or a few. Tiles are partial (I = 88: 11 gate_up tiles
+    of 8 columns; H = 200: 12.5 down tiles of 16 rows) and K splits unevenly (25 and 11
+    bf16 chunks, 7 and 3 k-steps of 4 chunks, over up to 4 warps)."""
+    rng = np.random.default_rng(10 * rows_per_pass + k_split)
+    expert_ids = random_choices(rng, 40, 2, np.arange(8))
+    expert_ids[:, 0] = 3
+    expert_ids[:, 1] = np.where(expert_ids[:, 1] == 3, 5, expert_ids[:, 1])
+    routing = Routing.of(expert_ids, 8)
+    idle = np.setdiff1d(np.arange(8), routing.active_experts[: routing.num_active[0]])
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 8, HIDDEN, INTER, dtype, idle)
+    x_dev = gpu.upload(rng.standard_normal((40, HIDDEN), dtype=np.float32), dtype)
+    _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing,
+           moe_gemm.ExpertGemmPlan(rows_per_pass, k_split))
+
+
+@pytest.fixture(scope="module")
+def model_sized_weights(gpu):
+    """dtype -> (gate_up, down) on the device for 16 experts at H = 2048, I = 776, all finite;
+    cached, as drawing them takes seconds."""
+
+    @cache
+    def make(dtype: str):
+        return random_expert_weights(gpu, np.random.default_rng(3), 16, 2048, 776, dtype, idle=[])
+
+    return make
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_model_sized_rows_split_k_over_warps(gpu, rel_error, tolerance, dtype):
-    """H = 2048 and I = 776 (97 bf16 chunks): several warps split each K, unevenly.
-    x's rows are spaced, as a column slice of a wider matrix."""
-    rng = np.random.default_rng(3)
-    hidden_size, inter = 2048, 776
-    routing = Routing.of(random_choices(rng, 33, 4, np.arange(16)), 16)
-    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 16, hidden_size, inter, dtype, idle=[])
-    wide = gpu.upload(rng.standard_normal((33, hidden_size + 64), dtype=np.float32), dtype)
-    _check(gpu, rel_error, tolerance, dtype, wide.column_slice(32, hidden_size), gate_up_dev, down_dev, routing)
+@pytest.mark.parametrize("num_tokens,k_split", [(1, None), (33, None), (33, 1), (33, 2), (33, 4)])
+def test_model_sized_rows_split_k_over_warps(gpu, rel_error, tolerance, model_sized_weights, dtype, num_tokens,
+                                             k_split):
+    """H = 2048 and I = 776 (97 bf16 chunks): long K slices, several batches of loads each,
+    the last one partial, under the host's plan (k_split None; at one token on a large GPU
+    it splits K) and each K split forced. x's rows are spaced, as a column slice of a
+    wider matrix."""
+    rng = np.random.default_rng(num_tokens)
+    routing = Routing.of(random_choices(rng, num_tokens, 4, np.arange(16)), 16)
+    gate_up_dev, down_dev = model_sized_weights(dtype)
+    wide = gpu.upload(rng.standard_normal((num_tokens, 2048 + 64), dtype=np.float32), dtype)
+    launch_plan = None if k_split is None else moe_gemm.ExpertGemmPlan(
+        moe_gemm.expert_tile(num_tokens * 4, 16), k_split)
+    _check(gpu, rel_error, tolerance, dtype, wide.column_slice(32, 2048), gate_up_dev, down_dev, routing, launch_plan)
 
 
 def test_launches_replay_in_a_cuda_graph_with_new_routing(gpu, rel_error, tolerance):

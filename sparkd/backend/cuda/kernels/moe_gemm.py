@@ -8,51 +8,108 @@ sorted_pairs [P], offsets [E+1], active_experts [min(E, P)] and num_active [1], 
     moe_gate_up: hidden [P, I] = silu(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T), in x's dtype
     moe_down:    expert_out [P, H] float32 = hidden @ down[e]^T
 
-Each selected expert's weights stream once per tile of `expert_tile(P, E)` of its rows
-(16-byte loads, split-K in a block, as gemv); an expert no token chose is never read.
-Both launches depend only on shapes, never on routing, so they are graph-capturable.
+A warp streams a tile of 16 weight rows of one expert into tensor-core operands and runs
+up to `ExpertGemmPlan.rows_per_pass` of the expert's rows against it; an expert no token
+chose is never read. Both launches depend only on shapes, never on routing, so they are
+graph-capturable.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
-from ..driver import Stream
+from ..driver import Stream, current_device
 from ..tensor import DeviceTensor
-from . import ACCESS_BYTES, ELEMENT_TYPES, i32, require, require_contiguous, require_dtype
+from . import (
+    ACCESS_BYTES,
+    ELEMENT_TYPES,
+    i32,
+    require,
+    require_contiguous,
+    require_dtype,
+)
 
 _SOURCE = "moe_gemm.cu"
-M_TILES = (1, 4, 16)  # the kM instantiations: sorted rows of one expert per pass over its weights
-_ROWS_PER_BLOCK = 4  # kRows: weight rows per block
-_GATE_UP_COLS_PER_BLOCK = _ROWS_PER_BLOCK // 2  # kGateUpCols: a gate and an up row per hidden column
-_MAX_WARPS = 8  # kMaxWarps
-_CHUNKS_PER_THREAD = 4  # per weight row, as in gemv: below this many a thread, fewer warps split K
+M_TILES = (8, 16, 32)  # the kM instantiations: sorted rows of one expert per pass over its weights
+K_SPLITS = (1, 2, 4)  # warps of a block that may share one weight tile's K
+_WARPS_PER_BLOCK = 4  # kWarps
+_RESIDENT_WARPS_PER_SM = 12  # kWarps * kMinBlocksPerSm
+_TILE_ROWS = 16  # kTileRows: weight rows per warp tile (gate_up: 8 gate and the 8 matching up rows)
+_STEP_CHUNKS = 4  # kStepChunks: 16-byte chunks of a row per k-step
+_BATCH_STEPS = 8  # kBatchSteps for 16-bit types: a K slice of fewer steps leaves loads unissued
 _MAX_GRID_Y = 65535  # CUDA's limit on grid dim y, which holds one slot per possible active expert
 
 SPECS = [KernelSpec(_SOURCE, f"{kernel}<{dtype.c_type}, {tile}>")
          for kernel in ("moe_gate_up_kernel", "moe_down_kernel") for dtype in ELEMENT_TYPES for tile in M_TILES]
 
 
+@dataclass(frozen=True)
+class ExpertGemmPlan:
+    """How a launch divides the work: `rows_per_pass` (kM, one of M_TILES) sorted rows of
+    an expert run against each pass over its weights, and `k_split` (one of K_SPLITS) warps
+    share each weight tile, one slice of K each."""
+
+    rows_per_pass: int
+    k_split: int
+
+    def __post_init__(self):
+        require(self.rows_per_pass in M_TILES, f"rows_per_pass must be one of {M_TILES}, got {self.rows_per_pass}")
+        require(self.k_split in K_SPLITS, f"k_split must be one of {K_SPLITS}, got {self.k_split}")
+
+
 def expert_tile(num_pairs: int, num_experts: int) -> int:
-    """The kM tile for P pairs over E experts: the smallest tile >= ceil(P / E), at most 16.
+    """The kM tile for P pairs over E experts: the smallest tile of at least 4x the mean rows
+    per expert (counting at least one), at most M_TILES[-1].
 
     The host cannot see the routing (it lives on the device, and the launch must not
-    wait for it), so it plans for the mean rows per expert. Any tile is correct: an
-    expert with more rows takes more passes over its weights (the later ones mostly
-    from L2), one with fewer leaves part of the tile idle."""
+    wait for it), so it plans for the mean with room for the spread: at T = 64, k = 8,
+    E = 128 (4 rows on average, a few experts 10 or 12) one pass of 16 rows serves
+    every expert. Rows past an expert's count cost registers only, and an expert with
+    more rows than the tile streams its weights once more per tile of rows."""
     require(num_pairs >= 1 and num_experts >= 1, f"need pairs and experts, got P = {num_pairs}, E = {num_experts}")
-    rows_per_expert = -(-num_pairs // num_experts)
-    return next((tile for tile in M_TILES if tile >= rows_per_expert), M_TILES[-1])
+    wanted = 4 * max(num_pairs, num_experts)  # 4 * mean * E, the mean at least one row
+    return next((tile for tile in M_TILES if tile * num_experts >= wanted), M_TILES[-1])
+
+
+def choose_k_split(num_tiles: int, num_slots: int, k_steps: int, num_sms: int) -> int:
+    """Warps per weight tile: the most that keep every warp of the grid resident at once
+    (num_tiles * num_slots tiles, _RESIDENT_WARPS_PER_SM a multiprocessor) with at least a
+    full batch of loads per K slice. Splitting matters when few experts are active (batch 1):
+    it puts more loads in flight without a second wave of blocks."""
+    resident = num_sms * _RESIDENT_WARPS_PER_SM
+    fitting = [split for split in K_SPLITS
+               if num_tiles * num_slots * split <= resident and k_steps >= split * _BATCH_STEPS]
+    return max(fitting, default=1)
+
+
+def plan(num_pairs: int, num_experts: int, num_tiles: int, k: int, dtype: DType, num_sms: int) -> ExpertGemmPlan:
+    """The plan for one GEMM: P pairs over E experts, num_tiles weight tiles an expert
+    (`gate_up_tiles` / `down_tiles`), a K of k elements of dtype, on num_sms multiprocessors."""
+    k_steps = -(-_chunks(k, dtype) // _STEP_CHUNKS)
+    return ExpertGemmPlan(expert_tile(num_pairs, num_experts),
+                          choose_k_split(num_tiles, min(num_experts, num_pairs), k_steps, num_sms))
+
+
+def gate_up_tiles(inter_size: int) -> int:
+    """Warp tiles of one expert's gate_up: 8 hidden columns each, their gate and up rows."""
+    return -(-inter_size // (_TILE_ROWS // 2))
+
+
+def down_tiles(hidden_size: int) -> int:
+    """Warp tiles of one expert's down: 16 rows each."""
+    return -(-hidden_size // _TILE_ROWS)
 
 
 def moe_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, sorted_pairs: DeviceTensor,
                 offsets: DeviceTensor, active_experts: DeviceTensor, num_active: DeviceTensor, top_k: int,
-                stream: Stream) -> None:
+                stream: Stream, launch_plan: ExpertGemmPlan | None = None) -> None:
     """hidden[row] = silu_and_mul(gate_up[e] @ x[sorted_pairs[row] // top_k]) for every sorted row of every
     active expert e. x [T, H] (rows may be spaced), gate_up [E, 2I, H] = [gate | up] per expert,
-    hidden [P = T*top_k, I] in x's dtype; fp32 accumulation."""
+    hidden [P = T*top_k, I] in x's dtype; fp32 accumulation. launch_plan: None for `plan`'s choice."""
     require(x.ndim == 2 and x.strides[1] == 1, f"x must be [T, H] with unit column stride, got {x}")
     require_dtype("x", x, *ELEMENT_TYPES)
     require(gate_up.ndim == 3 and gate_up.shape[1] % 2 == 0, f"gate_up must be [E, 2I, H], got shape {gate_up.shape}")
@@ -69,18 +126,21 @@ def moe_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, so
     _require_aligned(x=x, gate_up=gate_up)
     if num_pairs == 0 or inter_size == 0:
         return
-    kernel = get_kernel(KernelSpec(_SOURCE, f"moe_gate_up_kernel<{x.dtype.c_type}, "
-                                            f"{expert_tile(num_pairs, num_experts)}>"))
+    num_tiles = gate_up_tiles(inter_size)
+    launch_plan = launch_plan or plan(num_pairs, num_experts, num_tiles, hidden_size, x.dtype,
+                                      current_device().sm_count)
+    kernel = get_kernel(KernelSpec(_SOURCE, f"moe_gate_up_kernel<{x.dtype.c_type}, {launch_plan.rows_per_pass}>"))
     args = [hidden, x, gate_up, sorted_pairs, offsets, active_experts, num_active, i32(top_k), i32(hidden_size),
-            i32(inter_size), np.int64(_row_stride(x))]
-    grid = (inter_size // _GATE_UP_COLS_PER_BLOCK, min(num_experts, num_pairs))
-    kernel.launch(grid, 32 * _warps(hidden_size, x.dtype), args, stream=stream)
+            i32(inter_size), np.int64(_row_stride(x)), i32(launch_plan.k_split)]
+    kernel.launch(_grid(num_tiles, num_experts, num_pairs, launch_plan), 32 * _WARPS_PER_BLOCK, args, stream=stream)
 
 
 def moe_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
-             active_experts: DeviceTensor, num_active: DeviceTensor, stream: Stream) -> None:
+             active_experts: DeviceTensor, num_active: DeviceTensor, stream: Stream,
+             launch_plan: ExpertGemmPlan | None = None) -> None:
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every active expert e.
-    hidden [P, I], down [E, H, I] in hidden's dtype, expert_out [P, H] float32; fp32 accumulation."""
+    hidden [P, I], down [E, H, I] in hidden's dtype, expert_out [P, H] float32; fp32 accumulation.
+    launch_plan: None for `plan`'s choice."""
     require(hidden.ndim == 2, f"hidden must be [P, I], got shape {hidden.shape}")
     require(down.ndim == 3, f"down must be [E, H, I], got shape {down.shape}")
     num_pairs, inter_size = hidden.shape
@@ -96,11 +156,19 @@ def moe_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor,
     _require_aligned(hidden=hidden, down=down)
     if num_pairs == 0 or hidden_size == 0:
         return
-    kernel = get_kernel(KernelSpec(_SOURCE, f"moe_down_kernel<{hidden.dtype.c_type}, "
-                                            f"{expert_tile(num_pairs, num_experts)}>"))
-    args = [expert_out, hidden, down, offsets, active_experts, num_active, i32(hidden_size), i32(inter_size)]
-    grid = (hidden_size // _ROWS_PER_BLOCK, min(num_experts, num_pairs))
-    kernel.launch(grid, 32 * _warps(inter_size, hidden.dtype), args, stream=stream)
+    num_tiles = down_tiles(hidden_size)
+    launch_plan = launch_plan or plan(num_pairs, num_experts, num_tiles, inter_size, hidden.dtype,
+                                      current_device().sm_count)
+    kernel = get_kernel(KernelSpec(_SOURCE, f"moe_down_kernel<{hidden.dtype.c_type}, {launch_plan.rows_per_pass}>"))
+    args = [expert_out, hidden, down, offsets, active_experts, num_active, i32(hidden_size), i32(inter_size),
+            i32(launch_plan.k_split)]
+    kernel.launch(_grid(num_tiles, num_experts, num_pairs, launch_plan), 32 * _WARPS_PER_BLOCK, args, stream=stream)
+
+
+def _grid(num_tiles: int, num_experts: int, num_pairs: int, launch_plan: ExpertGemmPlan) -> tuple[int, int]:
+    """(blocks over an expert's tiles, one slot per possible active expert)."""
+    tiles_per_block = _WARPS_PER_BLOCK // launch_plan.k_split
+    return -(-num_tiles // tiles_per_block), min(num_experts, num_pairs)
 
 
 # ---- preconditions ----
@@ -110,10 +178,9 @@ def _row_stride(x: DeviceTensor) -> int:
     return x.row_stride if x.shape[0] > 1 else x.shape[1]
 
 
-def _warps(k: int, dtype: DType) -> int:
-    """Warps splitting a K of k elements: one per _CHUNKS_PER_THREAD chunks a lane, up to _MAX_WARPS."""
-    chunks = k // (ACCESS_BYTES // dtype.itemsize)
-    return min(_MAX_WARPS, max(1, -(-chunks // (32 * _CHUNKS_PER_THREAD))))
+def _chunks(k: int, dtype: DType) -> int:
+    """16-byte chunks in a row of k elements."""
+    return k // (ACCESS_BYTES // dtype.itemsize)
 
 
 def _require_weights(name: str, weight: DeviceTensor, dtype: DType) -> None:
