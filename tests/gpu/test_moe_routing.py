@@ -3,12 +3,16 @@
 - Routing against `sparkd.backend.cpu.moe.moe_route` run on the logits as the device
   holds them: expert ids exactly, weights within 1e-6 (both sides compute in fp32
   from the same values, whatever the storage dtype).
-- Alignment against `group_by_expert`: the same offsets, the same set of pairs per
-  expert, row_of_pair the inverse of sorted_pairs, the active experts in order.
+- Alignment against `group_by_expert`, exactly: the same offsets, the same stable
+  order of pairs, row_of_pair the inverse of sorted_pairs, the active experts in
+  order; with one block (P <= 2048) and with the count and scatter kernels, P = 1
+  to 32768, E = 8 to 1024.
+- Routing and alignment in one call (`moe_route_align`, one launch up to 64 tokens):
+  bit for bit what moe_route returns, aligned as above.
 - Combine against a float32 numpy loop that rounds each product and sum as the
   kernel does: bit-exact, also after rounding to bf16/fp16.
-- The three launches, with a stand-in for the expert GEMMs, captured in a CUDA graph
-  and replayed on new inputs.
+- The whole chain, with a stand-in for the expert GEMMs, captured in a CUDA graph
+  and replayed on new routing.
 """
 
 from __future__ import annotations
@@ -112,66 +116,97 @@ def test_route_reads_spaced_rows(gpu):
 
 # ---- alignment ----
 
+ALIGNMENT_VIEWS = ("offsets", "sorted_pairs", "row_of_pair", "active_experts", "num_active")
+
+
 def poisoned_alignment(gpu, num_pairs: int, num_experts: int) -> MoeAlignment:
     alignment = MoeAlignment.allocate(gpu.allocator, num_pairs, num_experts)
-    for view in (alignment.offsets, alignment.sorted_pairs, alignment.row_of_pair, alignment.active_experts,
-                 alignment.num_active):
+    for name in (*ALIGNMENT_VIEWS, "block_counts"):
+        view = getattr(alignment, name)
         copy_to_device(view, np.full(view.shape, POISON, np.int32), gpu.stream)
     gpu.stream.synchronize()  # the host arrays are pageable temporaries
     return alignment
 
 
+def download_alignment(gpu, alignment: MoeAlignment) -> dict[str, np.ndarray]:
+    return {name: gpu.download(getattr(alignment, name)) for name in ALIGNMENT_VIEWS}
+
+
 def align_on_device(gpu, expert_ids: np.ndarray, num_experts: int) -> dict[str, np.ndarray]:
     alignment = poisoned_alignment(gpu, expert_ids.size, num_experts)
     moe_routing.moe_align(alignment, gpu.upload(expert_ids.astype(np.int32)), gpu.stream)
-    return {name: gpu.download(getattr(alignment, name)) for name in
-            ("offsets", "sorted_pairs", "row_of_pair", "active_experts", "num_active")}
+    return download_alignment(gpu, alignment)
 
 
 def check_alignment(result: dict[str, np.ndarray], expert_ids: np.ndarray, num_experts: int) -> None:
+    """group_by_expert's stable sort exactly, its inverse, and the active experts in order."""
     expected_pairs, expected_offsets = group_by_expert(expert_ids, num_experts)
-    offsets, sorted_pairs = result["offsets"], result["sorted_pairs"]
-    np.testing.assert_array_equal(offsets, expected_offsets)
-    for expert in range(num_experts):
-        rows = slice(offsets[expert], offsets[expert + 1])
-        np.testing.assert_array_equal(np.sort(sorted_pairs[rows]), expected_pairs[rows])  # token order there
-    np.testing.assert_array_equal(result["row_of_pair"][sorted_pairs], np.arange(expert_ids.size))
+    np.testing.assert_array_equal(result["offsets"], expected_offsets)
+    np.testing.assert_array_equal(result["sorted_pairs"], expected_pairs)
+    np.testing.assert_array_equal(result["row_of_pair"][expected_pairs], np.arange(expert_ids.size))
     active = np.flatnonzero(np.diff(expected_offsets))
     assert result["num_active"].tolist() == [active.size]
     np.testing.assert_array_equal(result["active_experts"][:active.size], active)
 
 
+def hot_expert_ids(rng, num_tokens: int, top_k: int, num_experts: int, hot: int, used: int) -> np.ndarray:
+    """[T, k]: every token picks `hot`, and k-1 distinct others among experts [0, used);
+    experts from `used` on get nothing. The hot expert sits in every slot position."""
+    others = np.array([e for e in range(used) if e != hot])
+    picks = np.argsort(rng.random((num_tokens, others.size)), axis=1)[:, :top_k - 1]
+    expert_ids = np.concatenate([np.full((num_tokens, 1), hot), others[picks]], axis=1)
+    rng.permuted(expert_ids, axis=1, out=expert_ids)
+    return expert_ids
+
+
+# P from 1 to 32768, either side of the one-block limit (2048) and of a 256-pair round,
+# E = 8 to 1024 (the count kernel's grid shrinks as E grows).
+ALIGN_SHAPES = [(1, 1, 8), (1, 8, 128), (7, 2, 8), (64, 8, 128), (300, 10, 512), (256, 8, 128), (2049, 1, 8),
+                (257, 8, 8), (600, 8, 128), (1200, 8, 1024), (4096, 2, 8), (4096, 8, 128)]
+
+
+@pytest.mark.parametrize("num_pairs", [0, 1, 2048, 2049, 8192, 32768, 10**6])
+@pytest.mark.parametrize("num_experts", [1, 8, 128, 1024])
+def test_align_grid_gives_every_pair_one_block(num_pairs, num_experts):
+    """Host side only: chunks are whole rounds of 256 pairs, cover [0, P) and leave no block idle."""
+    blocks, chunk = moe_routing.align_grid(num_pairs, num_experts)
+    if num_pairs <= moe_routing.ONE_BLOCK_MAX_PAIRS:
+        assert (blocks, chunk) == (1, num_pairs)
+        return
+    assert chunk % 256 == 0 and (blocks - 1) * chunk < num_pairs <= blocks * chunk
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 8), (1, 8, 128), (7, 2, 8), (64, 8, 128),
-                                                          (300, 10, 512), (300, 8, 128), (4096, 2, 8)])
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", ALIGN_SHAPES)
 def test_alignment_groups_routed_pairs_like_numpy(gpu, num_tokens, top_k, num_experts):
-    """From real routing: P below and above E, and 8192 pairs over the block's 1024 threads."""
     rng = np.random.default_rng(num_tokens + top_k + num_experts)
     _, expert_ids = moe_route(separated_logits(rng, num_tokens, num_experts), top_k, False)
     check_alignment(align_on_device(gpu, expert_ids, num_experts), expert_ids, num_experts)
 
 
 @pytest.mark.gpu
-def test_alignment_with_idle_experts_and_one_expert_for_every_token(gpu):
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(300, 4, 64), (4096, 8, 128), (2500, 1, 8)])
+def test_alignment_with_idle_experts_and_one_expert_for_every_token(gpu, num_tokens, top_k, num_experts):
+    """One block, then the count and scatter kernels; with k = 1 every pair goes to one expert."""
     rng = np.random.default_rng(4)
-    num_tokens, top_k, num_experts, hot = 300, 4, 64, 5
-    others = np.stack([rng.choice([e for e in range(20) if e != hot], top_k - 1, replace=False)
-                       for _ in range(num_tokens)])
-    expert_ids = np.concatenate([np.full((num_tokens, 1), hot), others], axis=1)
-    rng.permuted(expert_ids, axis=1, out=expert_ids)  # the hot expert in every slot position
+    hot, used = 5, min(20, num_experts)
+    expert_ids = hot_expert_ids(rng, num_tokens, top_k, num_experts, hot, used)
     result = align_on_device(gpu, expert_ids, num_experts)
     check_alignment(result, expert_ids, num_experts)
     counts = np.diff(result["offsets"])
-    assert counts[hot] == num_tokens and not counts[20:].any()
+    assert counts[hot] == num_tokens and not counts[used:].any()
 
 
 @pytest.mark.gpu
-def test_pairs_outside_the_experts_get_no_row_and_add_nothing(gpu):
-    """The device cannot raise: an id outside [0, E) is left out of the sort and the sum."""
+@pytest.mark.parametrize("num_tokens", [10, 1000])
+def test_pairs_outside_the_experts_get_no_row_and_add_nothing(gpu, num_tokens):
+    """The device cannot raise: an id outside [0, E) is left out of the sort and the sum
+    (one block, and the count and scatter kernels)."""
     num_experts, top_k, hidden = 16, 3, 8
     rng = np.random.default_rng(5)
-    expert_ids = rng.integers(0, num_experts, size=(10, top_k))
+    expert_ids = rng.integers(0, num_experts, size=(num_tokens, top_k))
     expert_ids[2, 1], expert_ids[7, 0], expert_ids[7, 2] = -1, num_experts, 1 << 30
+    expert_ids[-1, 2] = -5
     valid = (expert_ids >= 0) & (expert_ids < num_experts)
     result = align_on_device(gpu, expert_ids, num_experts)
 
@@ -180,14 +215,62 @@ def test_pairs_outside_the_experts_get_no_row_and_add_nothing(gpu):
     np.testing.assert_array_equal(np.diff(offsets), np.bincount(expert_ids[valid], minlength=num_experts))
     assert offsets[0] == 0
     rows = result["sorted_pairs"][:offsets[-1]]
-    np.testing.assert_array_equal(expert_ids.reshape(-1)[rows], np.repeat(np.arange(num_experts), np.diff(offsets)))
-    np.testing.assert_array_equal(np.sort(rows), np.flatnonzero(valid))
+    np.testing.assert_array_equal(rows, group_by_expert(np.where(valid, expert_ids, num_experts), num_experts + 1)[0]
+                                  [:offsets[-1]])  # the valid pairs in a stable sort
     np.testing.assert_array_equal(row_of_pair[rows], np.arange(rows.size))
 
     weights = rng.uniform(0.1, 1, size=expert_ids.shape).astype(np.float32)
     expert_out = rng.standard_normal((expert_ids.size, hidden)).astype(np.float32)
     out = combine_on_device(gpu, expert_out, weights, row_of_pair, "float32")
     np.testing.assert_array_equal(out, reference_combine(expert_out, weights * valid, np.maximum(row_of_pair, 0)))
+
+
+# ---- routing and alignment in one call ----
+
+def route_align_on_device(gpu, logits_dev, top_k: int, renormalize: bool):
+    """(weights, expert_ids, alignment arrays) from one moe_route_align call."""
+    num_tokens, num_experts = logits_dev.shape
+    weights, expert_ids = gpu.empty((num_tokens, top_k), DType.float32), gpu.empty((num_tokens, top_k), DType.int32)
+    alignment = poisoned_alignment(gpu, num_tokens * top_k, num_experts)
+    moe_routing.moe_route_align(weights, expert_ids, alignment, logits_dev, renormalize, gpu.stream)
+    return gpu.download(weights), gpu.download(expert_ids), download_alignment(gpu, alignment)
+
+
+def check_route_align(gpu, logits_dev, top_k: int) -> None:
+    """The same weights and ids, bit for bit, as moe_route alone; the alignment of numpy's ids."""
+    stored = gpu.download(logits_dev).astype(np.float32)
+    for renormalize in (False, True):
+        weights, expert_ids, result = route_align_on_device(gpu, logits_dev, top_k, renormalize)
+        alone_weights, alone_ids = route_on_device(gpu, logits_dev, top_k, renormalize)
+        np.testing.assert_array_equal(weights, alone_weights)
+        np.testing.assert_array_equal(expert_ids, alone_ids)
+        expected_weights, expected_ids = moe_route(stored, top_k, renormalize)
+        np.testing.assert_array_equal(expert_ids, expected_ids)
+        np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=WEIGHT_ATOL)
+        check_alignment(result, expected_ids, logits_dev.shape[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 8), (1, 8, 128), (7, 2, 8), (33, 10, 512),
+                                                          (64, 8, 128), (64, 16, 1024), (65, 8, 128)])
+def test_route_align_matches_route_then_align(gpu, dtype, num_tokens, top_k, num_experts):
+    """One launch up to 64 tokens (the most pairs, 1024, at k = 16); 65 takes two."""
+    rng = np.random.default_rng(num_tokens * 7 + top_k + num_experts)
+    check_route_align(gpu, gpu.upload(separated_logits(rng, num_tokens, num_experts), dtype), top_k)
+
+
+@pytest.mark.gpu
+def test_route_align_with_idle_experts_and_one_expert_for_every_token(gpu):
+    num_tokens, top_k, num_experts, hot = 64, 8, 128, 77
+    logits = separated_logits(np.random.default_rng(8), num_tokens, num_experts)
+    logits[:, 20:] -= 50.0  # experts 20.. are never chosen
+    logits[:, hot] += 100.0  # nor is expert 77 ever passed over
+    check_route_align(gpu, gpu.upload(logits), top_k)
+    _, expert_ids, result = route_align_on_device(gpu, gpu.upload(logits), top_k, True)
+    assert (expert_ids[:, 0] == hot).all()
+    counts = np.diff(result["offsets"])
+    assert counts[hot] == num_tokens and counts[:20].sum() == num_tokens * (top_k - 1)
 
 
 # ---- combine ----
@@ -251,10 +334,13 @@ __global__ void fake_experts(float* expert_out, const float* x, const int* offse
 
 
 @pytest.mark.gpu
-def test_route_align_combine_replay_in_a_cuda_graph(gpu, compile_test_kernel, rel_error, tolerance):
+@pytest.mark.parametrize("num_tokens", [64, 1024])
+def test_route_align_combine_replay_in_a_cuda_graph(gpu, compile_test_kernel, rel_error, tolerance, num_tokens):
+    """64 tokens: the fused launch; 1024 (8192 pairs): routing, then the count and scatter kernels.
+    Each replay routes new logits; the alignment must follow them exactly."""
     from sparkd.backend.cuda.graphs import capture
 
-    num_tokens, top_k, num_experts, hidden = 64, 8, 128, 256
+    top_k, num_experts, hidden = 8, 128, 256
     num_pairs = num_tokens * top_k
     fake_experts = compile_test_kernel(FAKE_EXPERTS, "fake_experts")
     logits = gpu.empty((num_tokens, num_experts), DType.bfloat16)
@@ -265,8 +351,7 @@ def test_route_align_combine_replay_in_a_cuda_graph(gpu, compile_test_kernel, re
     out = gpu.empty((num_tokens, hidden), DType.float32)
 
     def moe_block():
-        moe_routing.moe_route(weights, expert_ids, logits, True, gpu.stream)
-        moe_routing.moe_align(alignment, expert_ids, gpu.stream)
+        moe_routing.moe_route_align(weights, expert_ids, alignment, logits, True, gpu.stream)
         fake_experts.launch(min(num_experts, num_pairs), 128,
                             [expert_out, x, alignment.offsets, alignment.sorted_pairs, alignment.active_experts,
                              alignment.num_active, np.int32(top_k), np.int32(hidden)], stream=gpu.stream)
@@ -275,22 +360,28 @@ def test_route_align_combine_replay_in_a_cuda_graph(gpu, compile_test_kernel, re
     rng = np.random.default_rng(6)
 
     def new_inputs():
+        """Fresh logits and x on the device -> (the expected out, numpy's expert ids)."""
         host_logits = encode(separated_logits(rng, num_tokens, num_experts), DType.bfloat16)
         host_x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
         copy_to_device(logits, host_logits, gpu.stream)
         copy_to_device(x, host_x, gpu.stream)
         gpu.stream.synchronize()  # the host arrays are pageable temporaries
         expected_weights, expected_ids = moe_route(decode(host_logits, DType.bfloat16), top_k, True)
-        return ((expected_weights * (expected_ids + 1)).sum(axis=1, dtype=np.float64)[:, None] * host_x)
+        return ((expected_weights * (expected_ids + 1)).sum(axis=1, dtype=np.float64)[:, None] * host_x,
+                expected_ids)
 
-    expected = new_inputs()
+    def check(expected, expected_ids):
+        assert rel_error(gpu.download(out), expected) <= tolerance["float32"]
+        check_alignment(download_alignment(gpu, alignment), expected_ids, num_experts)
+
+    expected, expected_ids = new_inputs()
     moe_block()  # eager first: loads the kernels outside the capture, as the warm-up does
-    assert rel_error(gpu.download(out), expected) <= tolerance["float32"]
+    check(expected, expected_ids)
     graph, _ = capture(gpu.stream, moe_block)
     try:
         for _ in range(3):
-            expected = new_inputs()
+            expected, expected_ids = new_inputs()
             graph.replay(gpu.stream)
-            assert rel_error(gpu.download(out), expected) <= tolerance["float32"]
+            check(expected, expected_ids)
     finally:
         graph.destroy()

@@ -1,15 +1,16 @@
 """Mixture-of-experts launchers around the expert GEMMs (cukernels/moe_routing.cu).
 
 A MoE block on the device runs, all on one stream and graph-capturable:
-  moe_route(weights, expert_ids, router_logits, renormalize, stream)
+  moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, stream)
       router_logits [T, E] -> weights [T, k] float32, expert_ids [T, k] int32
-      (the twin of sparkd.backend.cpu.moe.moe_route);
-  moe_align(alignment, expert_ids, stream)
-      the T*k (token, expert) pairs sorted by expert, into a `MoeAlignment`
-      (the twin of group_by_expert, plus the inverse map and the active experts);
+      (the twin of sparkd.backend.cpu.moe.moe_route), and the T*k (token, expert)
+      pairs sorted by expert into a `MoeAlignment` (the twin of group_by_expert, plus
+      the inverse map and the active experts): one launch up to FUSED_MAX_TOKENS
+      tokens, else moe_route then moe_align;
   the expert GEMMs (moe_gemm.py), writing expert_out [P, H] float32 in expert order;
   moe_combine(out, expert_out, weights, row_of_pair, stream)
       out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]], [T, H].
+moe_route and moe_align also run alone (ids that did not come from the device's routing).
 Pair p = t*k + j is token t's j-th choice; P = T*k.
 """
 
@@ -37,33 +38,42 @@ from . import (
 _SOURCE = "moe_routing.cu"
 MAX_EXPERTS = 1024  # kMaxExperts
 MAX_TOP_K = 16  # kMaxTopK
+FUSED_MAX_TOKENS = 64  # kMaxFusedTokens: routing and alignment in one launch up to here
+ONE_BLOCK_MAX_PAIRS = 2048  # more pairs are aligned by the count and scatter kernels
 _ROUTE_WARPS = 4  # kRouteWarps: tokens per block
-_ALIGN_THREADS = 1024  # kAlignThreads
+_RANK_THREADS = 256  # kRankThreads: the alignment blocks
+_FUSED_THREADS = 512  # kFusedThreads
+# The scatter kernel's every block reads all blocks' counts [blocks, E]: a few
+# thousand ints keep that one L2 round trip per thread or so, while at least
+# _MIN_COUNT_BLOCKS keep the ranking short when E is large.
+_COUNTS_BUDGET = 4096
+_MIN_COUNT_BLOCKS = 16
 _COMBINE_WIDTH = 4  # fp32 columns of expert_out per 16-byte load
 _COMBINE_THREADS = 256
 
 _ALIGN = KernelSpec(_SOURCE, "moe_align_kernel")
+_ALIGN_COUNT = KernelSpec(_SOURCE, "moe_align_count_kernel")
+_ALIGN_SCATTER = KernelSpec(_SOURCE, "moe_align_scatter_kernel")
 
 
 def _route_spec(dtype: DType) -> KernelSpec:
     return KernelSpec(_SOURCE, f"moe_route_kernel<{dtype.c_type}>")
 
 
+def _route_align_spec(dtype: DType) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"moe_route_align_kernel<{dtype.c_type}>")
+
+
 def _combine_spec(dtype: DType, width: int) -> KernelSpec:
     return KernelSpec(_SOURCE, f"moe_combine_kernel<{dtype.c_type}, {width}>")
 
 
-SPECS = ([_route_spec(dtype) for dtype in ELEMENT_TYPES] + [_ALIGN]
+SPECS = ([spec(dtype) for spec in (_route_spec, _route_align_spec) for dtype in ELEMENT_TYPES]
+         + [_ALIGN, _ALIGN_COUNT, _ALIGN_SCATTER]
          + [_combine_spec(dtype, width) for dtype in ELEMENT_TYPES for width in (1, _COMBINE_WIDTH)])
 
 
-def moe_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor, renormalize: bool,
-              stream: Stream) -> None:
-    """Each token's top-k experts: router_logits [T, E] (float32/float16/bfloat16, rows
-    may be spaced) -> weights [T, k] float32, expert_ids [T, k] int32, both contiguous.
-
-    fp32 softmax over E, the k largest probabilities in descending order, ties to
-    the lower expert id; with `renormalize` divided by their sum. E <= 1024, k <= 16."""
+def _check_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor) -> None:
     require(router_logits.ndim == 2, f"router_logits must be [T, E], got shape {router_logits.shape}")
     require_dtype("router_logits", router_logits, *ELEMENT_TYPES)
     require(router_logits.strides[1] == 1 or router_logits.shape[1] == 1,
@@ -81,32 +91,63 @@ def moe_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: De
     require_dtype("expert_ids", expert_ids, DType.int32)
     require_contiguous("weights", weights)
     require_contiguous("expert_ids", expert_ids)
+
+
+def _route_args(router_logits: DeviceTensor, top_k: int, renormalize: bool) -> list:
+    """The routing kernels' trailing arguments: logits, T, E, k, row stride, renormalize."""
+    num_tokens, num_experts = router_logits.shape
+    row_stride = router_logits.row_stride if num_tokens > 1 else num_experts
+    return [router_logits, i32(num_tokens), i32(num_experts), i32(top_k), np.int64(row_stride),
+            i32(bool(renormalize))]
+
+
+def moe_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor, renormalize: bool,
+              stream: Stream) -> None:
+    """Each token's top-k experts: router_logits [T, E] (float32/float16/bfloat16, rows
+    may be spaced) -> weights [T, k] float32, expert_ids [T, k] int32, both contiguous.
+
+    fp32 softmax over E, the k largest probabilities in descending order, ties to
+    the lower expert id; with `renormalize` divided by their sum. E <= 1024, k <= 16."""
+    _check_route(weights, expert_ids, router_logits)
+    num_tokens = router_logits.shape[0]
     if num_tokens == 0:
         return
-    row_stride = router_logits.row_stride if num_tokens > 1 else num_experts
     get_kernel(_route_spec(router_logits.dtype)).launch(
         -(-num_tokens // _ROUTE_WARPS), 32 * _ROUTE_WARPS,
-        [weights, expert_ids, router_logits, i32(num_tokens), i32(num_experts), i32(top_k), np.int64(row_stride),
-         i32(bool(renormalize))], stream=stream)
+        [weights, expert_ids, *_route_args(router_logits, weights.shape[1], renormalize)], stream=stream)
+
+
+def align_grid(num_pairs: int, num_experts: int) -> tuple[int, int]:
+    """(blocks, pairs per block) of an alignment: one block for up to ONE_BLOCK_MAX_PAIRS
+    pairs, else the count and scatter kernels' grid, chunks a multiple of their block."""
+    if num_pairs <= ONE_BLOCK_MAX_PAIRS:
+        return 1, num_pairs
+    blocks = min(-(-num_pairs // _RANK_THREADS), max(_MIN_COUNT_BLOCKS, _COUNTS_BUDGET // num_experts))
+    chunk = round_up(-(-num_pairs // blocks), _RANK_THREADS)
+    return -(-num_pairs // chunk), chunk
 
 
 @dataclass
 class MoeAlignment:
     """The T*k pairs sorted by expert, for P pairs and E experts; int32 views of one
-    allocation, written whole by `moe_align`:
+    allocation, written whole by `moe_align` (or `moe_route_align`):
 
     offsets [E+1]              rows of expert e are offsets[e] .. offsets[e+1]-1;
-    sorted_pairs [P]           the pair in each row (order within an expert is not fixed);
+    sorted_pairs [P]           the pair in each row, ascending within an expert (a stable
+                               sort by expert: group_by_expert's order);
     row_of_pair [P]            the row of each pair (the inverse of sorted_pairs);
     active_experts [min(E, P)] the experts with >= 1 pair, ascending; entries from
                                num_active on are unused;
-    num_active [1]             how many experts have pairs."""
+    num_active [1]             how many experts have pairs;
+    block_counts [blocks * E]  scratch of the count and scatter kernels (empty when
+                               one block aligns, see `align_grid`)."""
 
     offsets: DeviceTensor
     sorted_pairs: DeviceTensor
     row_of_pair: DeviceTensor
     active_experts: DeviceTensor
     num_active: DeviceTensor
+    block_counts: DeviceTensor
 
     @property
     def num_pairs(self) -> int:
@@ -120,7 +161,9 @@ class MoeAlignment:
     def allocate(cls, allocator: DeviceAllocator, num_pairs: int, num_experts: int) -> MoeAlignment:
         require(num_pairs >= 0, f"num_pairs must not be negative, got {num_pairs}")
         require(1 <= num_experts <= MAX_EXPERTS, f"moe_align handles 1 to {MAX_EXPERTS} experts, got E = {num_experts}")
-        sizes = [num_experts + 1, num_pairs, num_pairs, min(num_experts, num_pairs), 1]
+        blocks, _ = align_grid(num_pairs, num_experts)
+        sizes = [num_experts + 1, num_pairs, num_pairs, min(num_experts, num_pairs), 1,
+                 blocks * num_experts if blocks > 1 else 0]
         storage = allocator.empty((sum(sizes),), DType.int32)
         views, offset = [], 0
         for size in sizes:
@@ -128,20 +171,51 @@ class MoeAlignment:
             offset += size
         return cls(*views)
 
+    def outputs(self) -> list[DeviceTensor]:
+        """The kernels' leading arguments: offsets, sorted_pairs, row_of_pair, active_experts, num_active."""
+        return [self.offsets, self.sorted_pairs, self.row_of_pair, self.active_experts, self.num_active]
+
 
 def moe_align(alignment: MoeAlignment, expert_ids: DeviceTensor, stream: Stream) -> None:
     """Sort the pairs of expert_ids [T, k] int32 (contiguous, ids in [0, E)) by expert into
-    `alignment` (sized for P = T*k pairs and E experts). One block; no host sync.
+    `alignment` (sized for P = T*k pairs and E experts): one launch for up to
+    ONE_BLOCK_MAX_PAIRS pairs, else two (count, scatter) over many blocks. No host sync.
 
     A pair whose id lies outside [0, E) gets row -1 and no row (the device cannot raise)."""
     require_dtype("expert_ids", expert_ids, DType.int32)
     require_contiguous("expert_ids", expert_ids)
-    require(expert_ids.numel == alignment.num_pairs,
-            f"expert_ids has {expert_ids.numel} pairs but the alignment is sized for {alignment.num_pairs}")
-    get_kernel(_ALIGN).launch(
-        1, _ALIGN_THREADS,
-        [alignment.offsets, alignment.sorted_pairs, alignment.row_of_pair, alignment.active_experts,
-         alignment.num_active, expert_ids, i32(alignment.num_pairs), i32(alignment.num_experts)], stream=stream)
+    num_pairs, num_experts = alignment.num_pairs, alignment.num_experts
+    require(expert_ids.numel == num_pairs,
+            f"expert_ids has {expert_ids.numel} pairs but the alignment is sized for {num_pairs}")
+    blocks, chunk = align_grid(num_pairs, num_experts)
+    if blocks == 1:
+        get_kernel(_ALIGN).launch(
+            1, _RANK_THREADS, [*alignment.outputs(), expert_ids, i32(num_pairs), i32(num_experts)], stream=stream)
+        return
+    sizes = [expert_ids, i32(num_pairs), i32(num_experts), i32(chunk)]
+    get_kernel(_ALIGN_COUNT).launch(
+        blocks, _RANK_THREADS, [alignment.block_counts, alignment.row_of_pair, *sizes], stream=stream)
+    get_kernel(_ALIGN_SCATTER).launch(
+        blocks, _RANK_THREADS, [*alignment.outputs(), alignment.block_counts, *sizes], stream=stream)
+
+
+def moe_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: MoeAlignment,
+                    router_logits: DeviceTensor, renormalize: bool, stream: Stream) -> None:
+    """`moe_route` then `moe_align` of its expert_ids into `alignment` (sized for T*k pairs
+    and E experts), with the same results; up to FUSED_MAX_TOKENS tokens in one launch."""
+    _check_route(weights, expert_ids, router_logits)
+    num_tokens, num_experts = router_logits.shape
+    top_k = weights.shape[1]
+    require((alignment.num_pairs, alignment.num_experts) == (num_tokens * top_k, num_experts),
+            f"the alignment is sized for {alignment.num_pairs} pairs of {alignment.num_experts} experts, the routing "
+            f"makes {num_tokens * top_k} pairs of {num_experts}")
+    if num_tokens > FUSED_MAX_TOKENS:
+        moe_route(weights, expert_ids, router_logits, renormalize, stream)
+        moe_align(alignment, expert_ids, stream)
+        return
+    get_kernel(_route_align_spec(router_logits.dtype)).launch(
+        1, _FUSED_THREADS, [weights, expert_ids, *alignment.outputs(), *_route_args(router_logits, top_k, renormalize)],
+        stream=stream)
 
 
 def moe_combine(out: DeviceTensor, expert_out: DeviceTensor, weights: DeviceTensor, row_of_pair: DeviceTensor,

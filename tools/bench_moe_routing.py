@@ -1,0 +1,104 @@
+"""The MoE kernels around the expert GEMMs at Qwen3-30B-A3B shapes (E = 128 experts,
+top-8, hidden 2048): routing, alignment, both in one call, and the weighted combine;
+time per call and bandwidth as a fraction of the device-to-device copy rate.
+
+  python tools/bench_moe_routing.py [--tokens 1 64 4096] [--iters 50]
+
+Routing, alignment and moe_route_align are latency-bound: their bytes (logits read,
+ids and alignment written) are tiny, and the time is what a graph-replayed step pays,
+launch included. "route + align" is the two calls in sequence; "route_align" is one
+call (a single launch up to 64 tokens, the two otherwise). The combine reads the
+k fp32 expert rows of every token and writes one bf16 row: at 4096 tokens that is
+the copy rate's territory. The logits are random normal, so the routing spreads the
+pairs over the experts as real traffic does; the timed launches are replayed from
+one CUDA graph, so Python launch overhead is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import DeviceBench, copy_bandwidth, timed_graph
+
+from sparkd.backend.cuda.kernels import moe_routing
+from sparkd.backend.dtypes import DType
+
+HIDDEN, EXPERTS, TOP_K = 2048, 128, 8
+
+
+class Bench(DeviceBench):
+    def __init__(self, iters: int):
+        super().__init__(DType.bfloat16, iters)
+        self.copy_rate = copy_bandwidth(self.allocator, self.stream)
+        self.rng = np.random.default_rng(0)
+
+    def report(self, name: str, shape: str, work, nbytes: float) -> None:
+        seconds = timed_graph(self.stream, work, self.iters)
+        rate = nbytes / seconds
+        print(f"| {name} | {shape} | {seconds * 1e6:.1f} | {rate / 1e9:.0f} | {rate / self.copy_rate:.3f} |",
+              flush=True)
+
+
+def bench_tokens(b: Bench, tokens: int) -> None:
+    pairs = tokens * TOP_K
+    logits = b.upload(b.rng.standard_normal((tokens, EXPERTS)).astype(np.float32), DType.bfloat16)
+    weights = b.allocator.empty((tokens, TOP_K), DType.float32)
+    expert_ids = b.allocator.empty((tokens, TOP_K), DType.int32)
+    alignment = moe_routing.MoeAlignment.allocate(b.allocator, pairs, EXPERTS)
+    route_bytes = tokens * EXPERTS * 2 + pairs * 8  # logits in, weights and ids out
+    align_bytes = 4 * (pairs + EXPERTS + 1 + 2 * pairs + min(EXPERTS, pairs) + 1)  # ids in, the alignment out
+    shape = f"{tokens}x{EXPERTS}, k={TOP_K}"
+
+    def route() -> None:
+        moe_routing.moe_route(weights, expert_ids, logits, True, b.stream)
+
+    def align() -> None:
+        moe_routing.moe_align(alignment, expert_ids, b.stream)
+
+    def route_then_align() -> None:
+        route()
+        align()
+
+    def route_align() -> None:
+        moe_routing.moe_route_align(weights, expert_ids, alignment, logits, True, b.stream)
+
+    b.report("moe_route", shape, route, route_bytes)
+    blocks, _ = moe_routing.align_grid(pairs, EXPERTS)
+    b.report(f"moe_align ({blocks} block{'s' if blocks > 1 else ''})", shape, align, align_bytes)
+    b.report("route + align", shape, route_then_align, route_bytes + align_bytes)
+    b.report("route_align", shape, route_align, route_bytes + align_bytes)
+
+    route_align()  # the combine gathers through this routing's row_of_pair
+    expert_out = b.ones((pairs, HIDDEN), DType.float32)
+    out = b.allocator.empty((tokens, HIDDEN), DType.bfloat16)
+    b.report("moe_combine", f"{tokens}x{TOP_K}x{HIDDEN} -> bf16",
+             lambda: moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, b.stream),
+             pairs * HIDDEN * 4 + tokens * HIDDEN * 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+
+    bench = Bench(args.iters)
+    print(f"# {bench.device.name} ({bench.device.arch}); device-to-device copy "
+          f"{bench.copy_rate / 1e12:.2f} TB/s (read + written)")
+    print("| kernel | shape | us/call | GB/s | fraction of copy |")
+    print("| --- | --- | --- | --- | --- |")
+    for tokens in args.tokens:
+        bench_tokens(bench, tokens)
+        bench.stream.synchronize()
+        bench.allocator.release_cached()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
