@@ -23,12 +23,15 @@ from . import (
 _SOURCE = "rope_kv.cu"
 SPECS = element_specs(_SOURCE, "rope_write_kv_kernel")
 _MAX_THREADS = 256
+QKNorm = tuple[DeviceTensor, DeviceTensor, float]  # (q_norm [D], k_norm [D], eps)
 
 
 def rope_write_kv(q_out: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions: DeviceTensor,
                   cos_sin: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor, slot_mapping: DeviceTensor,
-                  stream: Stream) -> None:
-    """Neox RoPE on q and k at `positions`, rotated k and v written to the paged caches.
+                  stream: Stream, qk_norm: QKNorm | None = None) -> None:
+    """Neox RoPE on q and k at `positions`, rotated k and v written to the paged caches;
+    with `qk_norm`, each q and k head is RMS-normalised over D first (rmsnorm's
+    arithmetic, rounded to q's dtype before the rotation), all in one launch.
 
     q: [T, Hq, D], k, v: [T, Hkv, D], each with contiguous heads inside a token
       row (strides (row, D, 1): views of the fused qkv output are fine).
@@ -37,7 +40,8 @@ def rope_write_kv(q_out: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Devi
       attention scaling (llama3 scaling already in inv_freq); rotary_dim even,
       <= D. Only the first rotary_dim dims rotate. Positions must be < P.
     k_cache, v_cache: [NB, Hkv, BS, D] contiguous; slot = block * BS + offset.
-    q_out: [T, Hq, D] contiguous, gets rotated q."""
+    q_out: [T, Hq, D] contiguous, gets rotated q.
+    qk_norm: None, or (q_norm [D], k_norm [D], eps) with the weights contiguous in q's dtype."""
     require(q.ndim == 3, f"q must be [T, Hq, D], got shape {q.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     require(k.ndim == 3 and v.shape == k.shape and k.shape[0] == num_tokens and k.shape[2] == head_dim,
@@ -66,14 +70,32 @@ def rope_write_kv(q_out: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Devi
     rotary_dim = cos_sin.shape[1]
     require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim,
             f"rotary_dim must be even and in [2, D={head_dim}], got {rotary_dim}")
+    norm_weights = _check_qk_norm(qk_norm, q.dtype, head_dim)
     if num_tokens == 0:
         return
 
     row_strides = (q.strides[0], k.strides[0], v.strides[0])
     # The rotation pairs dim i with i + rotary_dim/2, so a vector may not straddle the half.
-    width = vector_width(q.dtype, (q_out, q, k, v, k_cache, v_cache, cos_sin), (head_dim, rotary_dim // 2, *row_strides))
+    width = vector_width(q.dtype, (q_out, q, k, v, k_cache, v_cache, cos_sin, *norm_weights),
+                         (head_dim, rotary_dim // 2, *row_strides))
     chunks = (num_q_heads + 2 * num_kv_heads) * head_dim // width
     kernel = get_kernel(KernelSpec(_SOURCE, element_name("rope_write_kv_kernel", q.dtype, width)))
-    args = [q_out, k_cache, v_cache, q, k, v, positions, slot_mapping, cos_sin, i32(num_q_heads), i32(num_kv_heads),
-            i32(head_dim), i32(rotary_dim), i32(cache_shape[2]), *(np.int64(s) for s in row_strides)]
-    kernel.launch(num_tokens, min(_MAX_THREADS, round_up(chunks, 32)), args, stream=stream)
+    if qk_norm is None:
+        norm_args, shared_mem = [np.uint64(0), np.uint64(0), np.float32(0)], 0
+    else:  # the kernel keeps one inverse RMS per q and k head in shared memory
+        norm_args, shared_mem = [*norm_weights, np.float32(qk_norm[2])], (num_q_heads + num_kv_heads) * 4
+    args = [q_out, k_cache, v_cache, q, k, v, positions, slot_mapping, cos_sin, *norm_args, i32(num_q_heads),
+            i32(num_kv_heads), i32(head_dim), i32(rotary_dim), i32(cache_shape[2]), *(np.int64(s) for s in row_strides)]
+    kernel.launch(num_tokens, min(_MAX_THREADS, round_up(chunks, 32)), args, shared_mem=shared_mem, stream=stream)
+
+
+def _check_qk_norm(qk_norm: QKNorm | None, dtype: DType, head_dim: int) -> tuple[DeviceTensor, ...]:
+    """The norm weights (none without qk_norm) after checking them against q."""
+    if qk_norm is None:
+        return ()
+    q_norm, k_norm, _ = qk_norm
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        require(weight.shape == (head_dim,) and weight.dtype is dtype,
+                f"{name} must be [D={head_dim}] {dtype.name} like q, got {weight.shape} {weight.dtype.name}")
+        require_contiguous(name, weight)
+    return q_norm, k_norm
