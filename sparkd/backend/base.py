@@ -195,15 +195,24 @@ class Ops(Protocol):
         """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N] in x's dtype, or in
         `out_dtype` float32 (accumulated and kept in fp32, e.g. router logits)."""
 
+    def linear_silu_and_mul(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """The gated MLP's first GEMM and its activation: `silu_and_mul(linear(x, weight, bias))`.
+        x [T, K], weight [gate | up] [2I, K], bias [2I] -> [T, I]; a GPU fuses them at
+        decode sizes, so the [T, 2I] product is never written."""
+
     def split_heads(self, qkv: Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
         """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
 
     def rope_write_kv(
         self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, rope: RopeConfig,
-        k_cache: Tensor, v_cache: Tensor, attn: Any,
+        k_cache: Tensor, v_cache: Tensor, attn: Any, qk_norm: tuple[Tensor, Tensor, float] | None = None,
     ) -> Tensor:
         """Rotate q and k at `positions` [T] int32, write rotated k and v into the
-        caches at the step's slot mapping, return rotated q [T, Hq, D]."""
+        caches at the step's slot mapping, return rotated q [T, Hq, D].
+
+        qk_norm: (q_norm [D], k_norm [D], eps) to RMS-normalise every q and k head
+        first (Qwen3), exactly `rmsnorm(q, q_norm, eps)` and `rmsnorm(k, k_norm, eps)`
+        in the model dtype; one fused kernel on a GPU."""
 
     def attention(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: Any, scale: float) -> Tensor:
         """Causal paged attention with GQA. q [T, Hq, D] -> [T, Hq, D].

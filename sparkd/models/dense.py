@@ -38,19 +38,17 @@ class DenseAttention:
         self.scaling = config.head_dim**-0.5
         self.qkv_proj, self.qkv_bias = take_linear(weights, prefix + "qkv_proj", config.qkv_bias)
         self.o_proj, self.o_bias = take_linear(weights, prefix + "o_proj", config.o_proj_bias)
-        self.q_norm = take(weights, prefix + "q_norm.weight") if config.qk_norm else None
-        self.k_norm = take(weights, prefix + "k_norm.weight") if config.qk_norm else None
+        # Qwen3's per-head q/k RMSNorm, applied inside rope_write_kv: (q_norm [D], k_norm [D], eps).
+        self.qk_norm = ((take(weights, prefix + "q_norm.weight"), take(weights, prefix + "k_norm.weight"),
+                         config.rms_norm_eps) if config.qk_norm else None)
 
     def forward(self, positions: Tensor, hidden_states: Tensor, attn: Any, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
         """hidden_states [T, H] -> [T, H]; writes this step's K/V into kv_cache."""
         ops, config = self.ops, self.config
         qkv = ops.linear(hidden_states, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
         q, k, v = ops.split_heads(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
-        if config.qk_norm:
-            q = ops.rmsnorm(q, self.q_norm, config.rms_norm_eps)
-            k = ops.rmsnorm(k, self.k_norm, config.rms_norm_eps)
         k_cache, v_cache = kv_cache
-        q = ops.rope_write_kv(q, k, v, positions, config.rope, k_cache, v_cache, attn)
+        q = ops.rope_write_kv(q, k, v, positions, config.rope, k_cache, v_cache, attn, self.qk_norm)
         attn_output = ops.attention(q, k_cache, v_cache, attn, self.scaling)  # [T, Hq, D]
         attn_output = ops.reshape(attn_output, (q.shape[0], config.num_heads * config.head_dim))
         return ops.linear(attn_output, self.o_proj, self.o_bias)
@@ -66,8 +64,8 @@ class DenseMLP:
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]."""
-        gate_up = self.ops.linear(x, self.gate_up_proj, self.gate_up_bias)  # [T, 2I]
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj, self.down_bias)
+        hidden = self.ops.linear_silu_and_mul(x, self.gate_up_proj, self.gate_up_bias)  # [T, I]
+        return self.ops.linear(hidden, self.down_proj, self.down_bias)
 
 
 class DenseDecoderLayer:

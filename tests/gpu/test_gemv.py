@@ -52,6 +52,24 @@ def test_gemv_matches_numpy(gpu, rel_error, tolerance, dtype, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,inter,k", [(1, 1, 8), (1, 7, 296), (2, 1003, 136), (5, 96, 14336), (16, 514, 4096)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_silu_and_mul_matches_numpy(gpu, rel_error, tolerance, dtype, m, inter, k, with_bias):
+    """The gate_up GEMM with SiLU-and-mul in its epilogue against numpy: silu(g) * u from the
+    float64 product, an odd number of output columns (a block owns two) included."""
+    from sparkd.backend.cpu.moe import silu_and_mul
+
+    x_dev, w_dev, x, w = _operands(gpu, m, 2 * inter, k, dtype, seed=m + inter + k)
+    bias_dev = gpu.upload(np.random.default_rng(3).standard_normal(2 * inter).astype(np.float32), dtype) \
+        if with_bias else None
+    out = gpu.empty((m, inter), dtype)
+    gemv.gemv_silu_and_mul(out, x_dev, w_dev, bias_dev, gpu.stream)
+    product = x @ w.T + (gpu.download(bias_dev) if with_bias else 0.0)
+    assert rel_error(gpu.download(out), silu_and_mul(product)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_adds_the_bias(gpu, rel_error, tolerance, dtype):
     x_dev, w_dev, x, w = _operands(gpu, 3, 45, 64, dtype, seed=1)
     bias_dev = gpu.upload(np.random.default_rng(2).standard_normal(45).astype(np.float32), dtype)

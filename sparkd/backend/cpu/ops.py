@@ -74,6 +74,9 @@ class NumpyOps:
             y += bias
         return y
 
+    def linear_silu_and_mul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
     def split_heads(
         self, qkv: np.ndarray, num_q_heads: int, num_kv_heads: int, head_dim: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,7 +91,11 @@ class NumpyOps:
     def rope_write_kv(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, rope: RopeConfig,
         k_cache: np.ndarray, v_cache: np.ndarray, attn: AttentionPlan,
+        qk_norm: tuple[np.ndarray, np.ndarray, float] | None = None,
     ) -> np.ndarray:
+        if qk_norm is not None:
+            q_norm, k_norm, eps = qk_norm
+            q, k = self.rmsnorm(q, q_norm, eps), self.rmsnorm(k, k_norm, eps)
         cos, sin = _rope_cos_sin(positions, rope)
         write_kv(_rotate(k, cos, sin), v, k_cache, v_cache, attn)
         return _rotate(q, cos, sin)

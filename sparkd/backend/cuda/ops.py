@@ -24,8 +24,8 @@ from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
-from .kernels import (activation, attention, elementwise, embedding, fault, moe_gemm, moe_grouped_gemm, moe_routing,
-                      norm, rope_kv, sampling)
+from .kernels import (activation, attention, elementwise, embedding, fault, gemv, moe_gemm, moe_grouped_gemm,
+                      moe_routing, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
@@ -52,6 +52,8 @@ class CudaOps:
         self.gemm = Gemm(self.allocator, self.stream)
         self._rope_tables: dict[tuple, DeviceTensor] = {}
         self._inject_fault = fault.fault_requested()
+        # (expert_ids, their alignment) from the last moe_route, for the moe_experts call after it.
+        self._routed: tuple[DeviceTensor, moe_routing.MoeAlignment] | None = None
         log.info("CUDA backend on %s (%s, %d SMs, %.1f GiB), dtype %s", self.device.name, self.device.arch,
                  self.device.sm_count, self.device.total_memory / 2**30, self.dtype.name)
 
@@ -180,6 +182,15 @@ class CudaOps:
         self.gemm(out, x, weight, bias)
         return out
 
+    def linear_silu_and_mul(self, x: DeviceTensor, weight: DeviceTensor,
+                            bias: DeviceTensor | None = None) -> DeviceTensor:
+        """One kernel where the table picks the gemv kernel for this product; else the two ops."""
+        if not self.gemm.picks_gemv(x, weight):
+            return self.silu_and_mul(self.linear(x, weight, bias))
+        out = self.allocator.empty((x.shape[0], weight.shape[0] // 2), x.dtype)
+        gemv.gemv_silu_and_mul(out, x, weight, bias, self.stream)
+        return out
+
     def split_heads(self, qkv: DeviceTensor, num_q_heads: int, num_kv_heads: int,
                     head_dim: int) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
         """Views, no copies: q [T, Hq, D], k and v [T, Hkv, D] with qkv's row stride."""
@@ -193,10 +204,12 @@ class CudaOps:
 
     def rope_write_kv(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions: DeviceTensor,
                       rope: RopeConfig, k_cache: DeviceTensor, v_cache: DeviceTensor,
-                      attn: CudaAttentionMetadata) -> DeviceTensor:
+                      attn: CudaAttentionMetadata, qk_norm: rope_kv.QKNorm | None = None) -> DeviceTensor:
+        """The q/k norm, when given, runs inside the same kernel."""
         q_out = self.allocator.empty(q.shape, q.dtype)
         cos_sin = self._rope_table(rope, attn.max_seq_len)
-        rope_kv.rope_write_kv(q_out, q, k, v, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, self.stream)
+        rope_kv.rope_write_kv(q_out, q, k, v, positions, cos_sin, k_cache, v_cache, attn.slot_mapping, self.stream,
+                              qk_norm)
         return q_out
 
     def attention(self, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
@@ -222,7 +235,10 @@ class CudaOps:
             raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
         weights = self.allocator.empty((num_tokens, top_k), DType.float32)
         expert_ids = self.allocator.empty((num_tokens, top_k), DType.int32)
-        moe_routing.moe_route(weights, expert_ids, router_logits, renormalize, self.stream)
+        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
+        # Routing and the alignment moe_experts needs in one launch at decode sizes.
+        moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
+        self._routed = (expert_ids, alignment)
         return weights, expert_ids
 
     def moe_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
@@ -238,8 +254,12 @@ class CudaOps:
         num_tokens, top_k = expert_ids.shape
         num_experts, inter2, hidden_size = gate_up.shape
         num_pairs = num_tokens * top_k
-        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_pairs, num_experts)
-        moe_routing.moe_align(alignment, expert_ids, self.stream)
+        routed, self._routed = self._routed, None
+        if routed is not None and routed[0] is expert_ids:
+            alignment = routed[1]  # moe_route aligned these ids already
+        else:
+            alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_pairs, num_experts)
+            moe_routing.moe_align(alignment, expert_ids, self.stream)
         hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
         expert_out = self.allocator.empty((num_pairs, hidden_size), DType.float32)
         if moe_grouped_gemm.use_grouped_gemm(num_pairs, num_experts, x.dtype):

@@ -1,4 +1,5 @@
-"""Skinny GEMM launcher (cukernels/gemv.cu): out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16.
+"""Skinny GEMM launchers (cukernels/gemv.cu): out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), M <= 16,
+and the same with the gated MLP's SiLU-and-mul in its epilogue.
 
 At decode batch sizes a GEMM only streams its weight; this kernel does that with
 16-byte loads, many in flight, and split-K across warps where K is long. It
@@ -29,9 +30,13 @@ def _spec(dtype: DType, out_dtype: DType, tile: int) -> KernelSpec:
     return KernelSpec(_SOURCE, f"gemv_kernel<{dtype.c_type}, {out_dtype.c_type}, {tile}>")
 
 
+def _silu_spec(dtype: DType, tile: int) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"gemv_silu_and_mul_kernel<{dtype.c_type}, {tile}>")
+
+
 # Output in the input dtype, or fp32 (logits).
 SPECS = [_spec(dtype, out_dtype, tile) for dtype in ELEMENT_TYPES for out_dtype in dict.fromkeys((dtype, DType.float32))
-         for tile in M_TILES]
+         for tile in M_TILES] + [_silu_spec(dtype, tile) for dtype in ELEMENT_TYPES for tile in M_TILES]
 
 
 def m_tile(m: int) -> int:
@@ -94,9 +99,33 @@ def gemv(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceT
         return
     reason = unsupported_reason(x, weight)
     require(reason is None, reason)
-    chunks = k // (ACCESS_BYTES // x.dtype.itemsize)
-    warps = min(_MAX_WARPS, max(1, -(-chunks // (32 * _CHUNKS_PER_THREAD))))
-    kernel = get_kernel(_spec(x.dtype, out.dtype, m_tile(m)))
     args = [out, x, weight, bias if bias is not None else np.uint64(0), i32(m), i32(n), i32(k),
             np.int64(x_row_stride(x)), np.int64(out.row_stride)]
-    kernel.launch(-(-n // _ROWS_PER_BLOCK), 32 * warps, args, stream=stream)
+    get_kernel(_spec(x.dtype, out.dtype, m_tile(m))).launch(-(-n // _ROWS_PER_BLOCK), _threads(x), args, stream=stream)
+
+
+def gemv_silu_and_mul(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None,
+                      stream: Stream) -> None:
+    """out [M, I] = silu(x @ gate^T) * (x @ up^T), weight = [gate | up] [2I, K], bias [2I];
+    out contiguous in x's dtype. Each half rounded to x's dtype before the activation, as
+    `gemv` then `silu_and_mul` would; the launch is graph-capturable."""
+    m, k = x.shape
+    n = weight.shape[0]
+    require(n % 2 == 0 and out.shape == (m, n // 2) and out.dtype is x.dtype and out.is_contiguous,
+            f"out must be a contiguous [{m}, {n // 2}] {x.dtype.name} for weight {weight.shape}, got {out}")
+    check_linear_operands(DeviceTensor(out.ptr, (m, n), out.dtype), x, weight, bias)  # out's strides do not matter
+    if m == 0 or n == 0:
+        return
+    reason = unsupported_reason(x, weight)
+    require(reason is None, reason)
+    inter = n // 2
+    args = [out, x, weight, bias if bias is not None else np.uint64(0), i32(m), i32(inter), i32(k),
+            np.int64(x_row_stride(x))]
+    blocks = -(-inter // (_ROWS_PER_BLOCK // 2))  # a gate and an up row per output column
+    get_kernel(_silu_spec(x.dtype, m_tile(m))).launch(blocks, _threads(x), args, stream=stream)
+
+
+def _threads(x: DeviceTensor) -> int:
+    """Warps splitting K: enough that a pass of kGemvLoads loads per thread covers a row."""
+    chunks = x.shape[1] // (ACCESS_BYTES // x.dtype.itemsize)
+    return 32 * min(_MAX_WARPS, max(1, -(-chunks // (32 * _CHUNKS_PER_THREAD))))
