@@ -64,15 +64,16 @@ __device__ __forceinline__ void normalize_and_store(T* __restrict__ out, float* 
 // x: rows addressed as (outer, inner) = (r / inner_rows, r % inner_rows) at
 //    x + outer * stride_outer + inner * stride_inner (elements); dim contiguous.
 //    [T, H] uses inner_rows = 1; a [T, Hq, D] head view uses inner_rows = Hq.
-// out: [rows, dim] contiguous. weight: [dim].
-template <typename T, int kVec>
+// x is in X: T, or float (the fp32 residual stream, before the final norm).
+// out: [rows, dim] contiguous in T. weight: [dim] in T.
+template <typename T, typename X, int kVec>
 __global__ void __launch_bounds__(1024)
-rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight, int rows,
+rmsnorm_kernel(T* __restrict__ out, const X* __restrict__ x, const T* __restrict__ weight, int rows,
                int inner_rows, long long stride_outer, long long stride_inner, int dim, float eps) {
   __shared__ float scratch[32 * 32];
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
-  const T* src = x + (row / inner_rows) * stride_outer + (row % inner_rows) * stride_inner;
+  const X* src = x + (row / inner_rows) * stride_outer + (row % inner_rows) * stride_inner;
   RowSlice<kVec> slice;
   float sum_sq = 0.f;
 #pragma unroll

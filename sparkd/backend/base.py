@@ -178,7 +178,8 @@ class Ops(Protocol):
         """token_ids [T] int32, table [V, H] -> [T, H]."""
 
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """RMSNorm over the last dim in fp32. x [..., D], weight [D] -> [..., D]."""
+        """RMSNorm over the last dim in fp32. x [..., D] (in weight's dtype or float32),
+        weight [D] -> [..., D] in weight's dtype."""
 
     def add_rmsnorm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         """residual' = x + residual; y = rmsnorm(residual'). Returns (y, residual').
@@ -244,7 +245,8 @@ class Ops(Protocol):
         back to token order for the weighted combine."""
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
-        """x + y in x's dtype; y of x's shape, in x's dtype or float32 (the residual stream)."""
+        """x + y in y's dtype; y of x's shape, in x's dtype or float32 (the residual stream,
+        which stays float32: the final hidden states reach the last norm unrounded)."""
 
     def reshape(self, x: Tensor, shape: Sequence[int]) -> Tensor:
         """A view with a new shape (contiguous tensors only)."""

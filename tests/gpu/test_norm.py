@@ -69,6 +69,18 @@ def test_add_rmsnorm_rejects_a_narrow_residual_out(gpu):
         norm.add_rmsnorm(gpu.empty((2, 8), "bfloat16"), residual, residual, x, weight, EPS, gpu.stream)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_rmsnorm_of_fp32_rows_writes_the_weight_dtype(gpu, rel_error, tolerance, dtype):
+    """The final norm reads the fp32 residual stream and writes the model dtype."""
+    rng = np.random.default_rng(8)
+    x = gpu.upload(3 * rng.standard_normal((6, 4096)).astype(np.float32), "float32")
+    weight = gpu.upload(_weight(rng, 4096), dtype)
+    out = gpu.empty((6, 4096), dtype)
+    norm.rmsnorm(out, x, weight, EPS, gpu.stream)
+    assert rel_error(gpu.download(out), NumpyOps().rmsnorm(gpu.download(x), gpu.download(weight), EPS)) \
+        <= tolerance[dtype]
+
+
 def test_zero_row_stays_finite(gpu):
     x = gpu.upload(np.zeros((2, 64), np.float32))
     out = gpu.empty((2, 64), "float32")

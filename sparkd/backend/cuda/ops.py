@@ -151,8 +151,9 @@ class CudaOps:
         return out
 
     def rmsnorm(self, x: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
-        """x [..., D] (a strided [T, H, D] head view too) -> contiguous [..., D]."""
-        out = self.allocator.empty(x.shape, x.dtype)
+        """x [..., D] (a strided [T, H, D] head view too; float32 or weight's dtype) -> contiguous
+        [..., D] in weight's dtype."""
+        out = self.allocator.empty(x.shape, weight.dtype)
         norm.rmsnorm(out, x, weight, eps, self.stream)
         return out
 
@@ -278,7 +279,7 @@ class CudaOps:
         return out
 
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
-        out = self.allocator.empty(x.shape, x.dtype)
+        out = self.allocator.empty(x.shape, y.dtype)
         elementwise.add(out, x, y, self.stream)
         return out
 
@@ -288,7 +289,7 @@ class CudaOps:
     def logits(self, hidden: DeviceTensor, indices: DeviceTensor, norm_weight: DeviceTensor, eps: float,
                lm_head: DeviceTensor) -> DeviceTensor:
         """Gather the rows, norm them, and run lm_head with fp32 output straight from cuBLASLt."""
-        rows = self.allocator.empty((indices.shape[0], hidden.shape[1]), hidden.dtype)
+        rows = self.allocator.empty((indices.shape[0], hidden.shape[1]), hidden.dtype)  # fp32: the residual stream
         embedding.gather_rows(rows, hidden, indices, self.stream)
         normed = self.rmsnorm(rows, norm_weight, eps)
         out = self.allocator.empty((indices.shape[0], lm_head.shape[0]), DType.float32)

@@ -25,18 +25,18 @@ _BLOCKS_PER_SM = 8  # a grid-stride loop: enough resident blocks to cover memory
 
 
 def add(out: DeviceTensor, x: DeviceTensor, y: DeviceTensor, stream: Stream | None) -> None:
-    """out = x + y; all three contiguous, of one shape; out and x of one dtype, y of it or float32."""
+    """out = x + y; all three contiguous, of one shape; y in x's dtype or float32, out in y's."""
     for name, tensor in (("out", out), ("x", x), ("y", y)):
         require_contiguous(name, tensor)
         require_dtype(name, tensor, *ELEMENT_TYPES)
     require(out.shape == x.shape == y.shape, f"add needs equal shapes, got {out.shape} = {x.shape} + {y.shape}")
-    require(out.dtype is x.dtype and y.dtype in (x.dtype, DType.float32),
-            f"add needs out and x of one dtype and y of it or float32, got {out.dtype.name}, {x.dtype.name}, "
-            f"{y.dtype.name}")
+    require(y.dtype in (x.dtype, DType.float32) and out.dtype is y.dtype,
+            f"add needs y in x's dtype or float32 and out in y's, got out {out.dtype.name}, x {x.dtype.name}, "
+            f"y {y.dtype.name}")
     if out.numel == 0:
         return
-    width = vector_width(out.dtype, (out, x, y), (out.numel,))
+    width = vector_width(x.dtype, (out, x, y), (out.numel,))
     chunks = out.numel // width
     grid = max(1, min(-(-chunks // _THREADS), current_device().sm_count * _BLOCKS_PER_SM))
-    get_kernel(KernelSpec("elementwise.cu", _add_name(out.dtype, y.dtype, width))).launch(
+    get_kernel(KernelSpec("elementwise.cu", _add_name(x.dtype, y.dtype, width))).launch(
         grid, _THREADS, [out, x, y, np.int64(out.numel)], stream=stream)

@@ -11,8 +11,6 @@ from ...dtypes import DType
 from ..tensor import DeviceTensor
 from . import (
     ELEMENT_TYPES,
-    element_name,
-    element_specs,
     i32,
     require,
     require_contiguous,
@@ -24,15 +22,16 @@ from . import (
 
 _SOURCE = "norm.cu"
 
-def _add_rmsnorm_name(dtype: DType, residual_dtype: DType, width: int) -> str:
-    return f"add_rmsnorm_kernel<{dtype.c_type}, {residual_dtype.c_type}, {width}>"
+def _name(kernel: str, dtype: DType, input_dtype: DType, width: int) -> str:
+    return f"{kernel}<{dtype.c_type}, {input_dtype.c_type}, {width}>"
 
 
-# add_rmsnorm reads the residual in the element type (the first layer's, the embedding) or in fp32.
-SPECS = element_specs(_SOURCE, "rmsnorm_kernel") + [
-    KernelSpec(_SOURCE, _add_rmsnorm_name(dtype, residual_dtype, width))
-    for dtype in ELEMENT_TYPES for residual_dtype in dict.fromkeys((dtype, DType.float32))
-    for width in vector_widths(dtype)]
+# Each kernel reads one input in the element type or in fp32: rmsnorm its x (the fp32
+# residual stream before the final norm), add_rmsnorm its residual (the first layer's,
+# the embedding, comes in the element type).
+SPECS = [KernelSpec(_SOURCE, _name(kernel, dtype, input_dtype, width))
+         for kernel in ("rmsnorm_kernel", "add_rmsnorm_kernel") for dtype in ELEMENT_TYPES
+         for input_dtype in dict.fromkeys((dtype, DType.float32)) for width in vector_widths(dtype)]
 
 _MAX_ELEMS_PER_THREAD = 16  # kMaxElemsPerThread in norm.cu: a thread keeps its row slice in registers
 _MAX_THREADS_PER_ROW = 1024
@@ -44,21 +43,22 @@ def rmsnorm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float
     """out = x / sqrt(mean(x^2) + eps) * weight over the last dim D.
 
     x: [R, D] or [T, H, D] whose last dim is contiguous while rows may be spaced
-    (the q/k head views of the fused qkv output); weight [D]; out: x's shape,
-    contiguous, not overlapping x."""
+    (head views of a fused qkv output), in weight's dtype or float32; weight [D]; out:
+    x's shape in weight's dtype, contiguous, not overlapping x."""
     require(x.ndim in (2, 3), f"x must be [R, D] or [T, H, D], got shape {x.shape}")
     require(x.strides[-1] == 1, f"x's last dim must be contiguous, got strides {x.strides}")
     if x.ndim == 2:
         inner_rows, stride_outer, stride_inner = 1, x.strides[0], 0
     else:
         inner_rows, stride_outer, stride_inner = x.shape[1], x.strides[0], x.strides[1]
+    require(x.dtype in (out.dtype, DType.float32), f"x must be in out's dtype ({out.dtype.name}) or float32, got {x}")
     _check_operands(out, x, weight, x.shape)
     dim = x.shape[-1]
     rows = out.numel // max(dim, 1)
-    width = vector_width(x.dtype, (out, x, weight), (dim, stride_outer, stride_inner))
+    width = vector_width(out.dtype, (out, x, weight), (dim, stride_outer, stride_inner))
     args = [out, x, weight, i32(rows), i32(inner_rows), np.int64(stride_outer), np.int64(stride_inner), i32(dim),
             np.float32(eps)]
-    _launch(KernelSpec(_SOURCE, element_name("rmsnorm_kernel", x.dtype, width)), width, rows, dim, args, stream)
+    _launch(KernelSpec(_SOURCE, _name("rmsnorm_kernel", out.dtype, x.dtype, width)), width, rows, dim, args, stream)
 
 
 def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor,
@@ -82,6 +82,7 @@ def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceT
     require(out_fp32 is None or (out_fp32.shape == x.shape and out_fp32.dtype is DType.float32
                                  and out_fp32.is_contiguous and out_fp32.ptr not in (residual.ptr, residual_out.ptr)),
             f"out_fp32 must be a {x.shape} float32 buffer of its own, got {out_fp32}")
+    require(x.dtype is out.dtype, f"x must be in out's dtype ({out.dtype.name}), got {x}")
     _check_operands(out, x, weight, x.shape)
     rows, dim = x.shape
     # The fp32 residual moves the same elements per access as x (two 16-byte accesses for bf16's eight).
@@ -89,7 +90,7 @@ def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceT
     width = vector_width(x.dtype, (*outputs, residual, x, weight), (dim,))
     args = [out, out_fp32 if out_fp32 is not None else np.uint64(0), residual_out, residual, x, weight, i32(rows),
             i32(dim), np.float32(eps)]
-    name = _add_rmsnorm_name(x.dtype, residual.dtype, width)
+    name = _name("add_rmsnorm_kernel", x.dtype, residual.dtype, width)
     _launch(KernelSpec(_SOURCE, name), width, rows, dim, args, stream)
 
 
@@ -98,12 +99,13 @@ def _overlap(a: DeviceTensor, b: DeviceTensor) -> bool:
 
 
 def _check_operands(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, shape: tuple) -> None:
-    require_dtype("x", x, *ELEMENT_TYPES)
-    require(out.shape == shape and out.dtype is x.dtype, f"out must be {shape} {x.dtype.name}, got {out.shape} {out.dtype.name}")
+    """The rules both kernels share; the caller has checked x's dtype against out's."""
+    require_dtype("out", out, *ELEMENT_TYPES)
+    require(out.shape == shape, f"out must be {shape}, got {out.shape}")
     require_contiguous("out", out)
     require(out.ptr != x.ptr, "out must not be x: the kernel reads x while other rows are written")
-    require(weight.shape == (shape[-1],) and weight.dtype is x.dtype,
-            f"weight must be [{shape[-1]}] {x.dtype.name}, got {weight.shape} {weight.dtype.name}")
+    require(weight.shape == (shape[-1],) and weight.dtype is out.dtype,
+            f"weight must be [{shape[-1]}] {out.dtype.name}, got {weight.shape} {weight.dtype.name}")
     require(0 < shape[-1] <= MAX_DIM, f"the normalised dim must be in [1, {MAX_DIM}], got {shape[-1]}")
 
 
