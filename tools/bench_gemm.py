@@ -9,8 +9,8 @@ by the device-to-device copy rate (bytes read plus written), says how much of th
 memory system it uses: 1.0 is the ceiling a skinny-GEMM kernel could reach.
 Each shape cycles through enough weight copies to exceed twice the L2, and the
 timed launches are replayed from one CUDA graph, so neither the cache nor Python
-launch overhead inflates the figures. lm_head and the MoE router write fp32, as the engine
-runs them.
+launch overhead inflates the figures. lm_head writes fp32 and the MoE router runs in fp32,
+as the engine runs them.
 
 Shapes: Llama-3.1-8B's and Qwen3-30B-A3B's dense ones, plus those of the checkpoint at
 --model (its config.json).
@@ -72,6 +72,7 @@ MOE_SHAPES = {
 LLAMA_LAYERS = 32
 LOGITS = "lm_head"
 FP32_OUTPUTS = ("lm_head", "router")  # logits and router logits are written in fp32, as the engine runs them
+FP32_SHAPES = ("moe router",)  # the MoE router runs wholly in fp32 (sparkd/models/moe.py)
 _BF16_ONE_BITS = 0x3F80  # weights hold 1.0: the values do not change the timing
 
 
@@ -126,7 +127,8 @@ class ShapeBench:
 
     def ones(self, shape: tuple[int, int]) -> DeviceTensor:
         tensor = self.allocator.empty(shape, self.dtype)
-        call(driver.cuMemsetD16Async, tensor.ptr, _BF16_ONE_BITS, tensor.numel, self.stream.handle)
+        # Any finite values do: the timing does not depend on them (fp32 reads the pattern as ~1.002).
+        call(driver.cuMemsetD16Async, tensor.ptr, _BF16_ONE_BITS, tensor.nbytes // 2, self.stream.handle)
         return tensor
 
     def operands(self, m: int) -> tuple[DeviceTensor, DeviceTensor]:
@@ -183,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- |")
     llama_seconds = {}  # Llama shape -> (cuBLASLt, as picked) seconds per call at M = 1
     for name, (n, k) in bench_shapes(args.model).items():
-        out_dtype = DType.float32 if name.endswith(FP32_OUTPUTS) else dtype
-        bench = ShapeBench(allocator, stream, dtype, out_dtype, n, k, l2_bytes, args.iters)
+        shape_dtype = DType.float32 if name in FP32_SHAPES else dtype
+        out_dtype = DType.float32 if name.endswith(FP32_OUTPUTS) else shape_dtype
+        bench = ShapeBench(allocator, stream, shape_dtype, out_dtype, n, k, l2_bytes, args.iters)
         for m in args.m:
             x, out = bench.operands(m)
             weight = bench.weights[0]
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             if gemv.unsupported_reason(x, weight) is None:
                 fast = bench.measure(lambda out, x, w: gemv.gemv(out, x, w, None, stream), x, out)
                 if table_path and m in gemv.M_TILES:
-                    gemm.table.entries[ShapeKey(n, k, dtype.name, m)] = Measurement(
+                    gemm.table.entries[ShapeKey(n, k, shape_dtype.name, m)] = Measurement(
                         *(float(f"{cell.fraction(copy_rate):.4g}") for cell in (cublaslt, fast)))
             picked = fast if gemm.picks_gemv(x, weight) else cublaslt
             print(f"| {name} {n}x{k} | {m} | {cublaslt.show(copy_rate)} | "
