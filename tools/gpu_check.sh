@@ -3,9 +3,10 @@
 # package registry. Installs the wheels brought along in .whl/, prints versions and
 # nvidia-smi, builds every kernel (which fills the compile cache for the tests), runs the
 # tests in tests/gpu, then the GPU benchmarks. Each step logs to OUTDIR/<step>.log and has
-# a time limit (SIGINT first, so pytest still prints its summary and Python a traceback),
-# so the whole check stays under 9 minutes; a failed or timed-out step does not stop the
-# others, and the script exits non-zero if any failed.
+# a time limit (SIGINT first, so pytest still prints its summary and Python a traceback);
+# the whole check takes about 6-8 minutes on an H200 (the limits add up to more, for a
+# hung step). A failed or timed-out step does not stop the others, and the script exits
+# non-zero if any failed.
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -74,14 +75,19 @@ run_step versions 15 bash -c versions
 run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
 # Only tests/gpu: the API tests import packages the GPU machine lacks (openai), and
 # --confcutdir keeps tests/conftest.py (the API server fixtures) from loading.
-run_step pytest_gpu 150 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
+run_step pytest_gpu 200 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
 # The GPU benchmarks only. bench_gemm measures cuBLASLt against the skinny GEMM and
-# writes the per-shape table (into the kernel cache) that bench_decode then uses.
+# writes the per-shape table (into the kernel cache) that the engine benchmarks then use.
 run_step bench_gemm 90 python3 tools/bench_gemm.py --write-table
-run_step bench_attention 35 python3 tools/bench_attention.py
-run_step bench_kernels 35 python3 tools/bench_kernels.py
-run_step bench_decode 170 python3 tools/bench_decode.py
-run_step bench_moe 200 python3 tools/bench_moe.py
+run_step bench_attention 30 python3 tools/bench_attention.py
+run_step bench_kernels 30 python3 tools/bench_kernels.py
+run_step bench_sampling 30 python3 tools/bench_sampling.py
+run_step bench_moe_kernels 30 python3 tools/bench_moe_kernels.py
+run_step bench_moe_routing 20 python3 tools/bench_moe_routing.py
+run_step bench_moe_grouped 30 python3 tools/bench_moe_grouped.py
+run_step bench_decode 150 python3 tools/bench_decode.py
+# 24 of Qwen3-30B-A3B's 48 layers, so transformers' copy of the weights fits beside sparkd's.
+run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
 
 cp "$SPARKD_CACHE_DIR"/gemm/*.json "$OUT"/ 2>/dev/null
 
