@@ -8,10 +8,11 @@ sorted_pairs [P], offsets [E+1], active_experts [min(E, P)] and num_active [1], 
     moe_gate_up: hidden [P, I] = silu(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T), in x's dtype
     moe_down:    expert_out [P, H] float32 = hidden @ down[e]^T
 
-A warp streams a tile of 16 weight rows of one expert into tensor-core operands and runs
+A warp streams a tile of 16 weight rows of one expert into tensor-core operands (bf16 /
+fp16; fp32, the parity mode, sums by IEEE FMA on the CUDA cores in a fixed order) and runs
 up to `ExpertGemmPlan.rows_per_pass` of the expert's rows against it; an expert no token
 chose is never read. Both launches depend only on shapes, never on routing, so they are
-graph-capturable.
+graph-capturable, and their results are deterministic.
 """
 
 from __future__ import annotations
