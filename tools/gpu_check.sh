@@ -9,10 +9,14 @@
 # non-zero if any failed.
 set -uo pipefail
 
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUTDIR" >&2
+# PART: all (default), or tests (up to the GPU tests, plus the kernel benchmarks) or
+# models (the GEMM table and the whole-model benchmarks), each of which fits one 10-minute
+# device call with room to spare.
+if [ $# -lt 1 ] || [ $# -gt 2 ] || ! [[ ${2:-all} =~ ^(all|tests|models)$ ]]; then
+    echo "usage: $0 OUTDIR [all|tests|models]" >&2
     exit 2
 fi
+PART=${2:-all}
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 
@@ -75,19 +79,24 @@ run_step versions 15 bash -c versions
 run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
 # Only tests/gpu: the API tests import packages the GPU machine lacks (openai), and
 # --confcutdir keeps tests/conftest.py (the API server fixtures) from loading.
-run_step pytest_gpu 200 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
-# The GPU benchmarks only. bench_gemm measures cuBLASLt against the skinny GEMM and
-# writes the per-shape table (into the kernel cache) that the engine benchmarks then use.
-run_step bench_gemm 90 python3 tools/bench_gemm.py --write-table
-run_step bench_attention 30 python3 tools/bench_attention.py
-run_step bench_kernels 30 python3 tools/bench_kernels.py
-run_step bench_sampling 30 python3 tools/bench_sampling.py
-run_step bench_moe_kernels 30 python3 tools/bench_moe_kernels.py
-run_step bench_moe_routing 20 python3 tools/bench_moe_routing.py
-run_step bench_moe_grouped 30 python3 tools/bench_moe_grouped.py
-run_step bench_decode 150 python3 tools/bench_decode.py
-# 24 of Qwen3-30B-A3B's 48 layers, so transformers' copy of the weights fits beside sparkd's.
-run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
+if [ "$PART" != models ]; then
+    run_step pytest_gpu 200 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
+    # The GPU benchmarks only: the kernels first, against the copy rate or their old form.
+    run_step bench_attention 30 python3 tools/bench_attention.py
+    run_step bench_kernels 30 python3 tools/bench_kernels.py
+    run_step bench_sampling 30 python3 tools/bench_sampling.py
+    run_step bench_moe_kernels 30 python3 tools/bench_moe_kernels.py
+    run_step bench_moe_routing 20 python3 tools/bench_moe_routing.py
+    run_step bench_moe_grouped 30 python3 tools/bench_moe_grouped.py
+fi
+if [ "$PART" != tests ]; then
+    # bench_gemm measures cuBLASLt against the skinny GEMM and writes the per-shape table
+    # (into the kernel cache) that the model benchmarks then use.
+    run_step bench_gemm 90 python3 tools/bench_gemm.py --write-table
+    run_step bench_decode 150 python3 tools/bench_decode.py
+    # 24 of Qwen3-30B-A3B's 48 layers, so transformers' copy of the weights fits beside sparkd's.
+    run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
+fi
 
 cp "$SPARKD_CACHE_DIR"/gemm/*.json "$OUT"/ 2>/dev/null
 
