@@ -13,15 +13,26 @@
 //                        tile_starts[E] is their total.
 //
 // Each block computes a kTileM x kTileN tile of one expert's output: kTileM sorted rows
-// of that expert (an "M-tile") against kTileN weight rows. The grid has one slot in y per
-// possible M-tile, ceil(P / kTileM) + min(E, P) of them (every active expert wastes at
-// most one partial tile), so it depends on (P, E, N) only: graph-capturable. A block
-// finds its expert from tile_starts; a slot past the total exits at once, and an expert
-// no token chose owns no tile, so its weights are never read.
+// of that expert (an "M-tile") against kTileN weight rows, with 8 warps of 64 x 64 (2 in
+// M, 4 in N): the large tile halves the shared-memory and L2 bytes per MMA of a 64 x 128
+// one. There is one M-tile slot per possible M-tile, ceil(P / kTileM) + min(E, P) of them
+// (every active expert wastes at most one partial tile), so the grid depends on (P, E, N)
+// only: graph-capturable. A block finds its expert from tile_starts; a slot past the
+// total exits at once, and an expert no token chose owns no tile, so its weights are
+// never read. In the last, partial M-tile of an expert, m16 row groups past its rows skip
+// their MMAs.
+//
+// Blocks are numbered in groups of kGroupM M-tile slots, M fastest within a group: the
+// blocks running together are the M-tiles of a few experts against a few weight tiles,
+// so each weight tile is fetched from memory once for all of an expert's M-tiles and
+// each gathered activation tile stays in L2 for all of its weight tiles.
 //
 // The K loop streams kTileK-wide slices of the gathered activation rows and the weight
-// rows into shared memory with cp.async, kStages slices in flight. Rows and columns past
-// the end (and K past its end) are zero-filled, never read.
+// rows into shared memory with cp.async, kStages slices deep, one barrier per slice.
+// Rows and columns past the end (and K past its end) are zero-filled, never read.
+// Shared-memory rows are 128 bytes of 8 16-byte chunks, chunk c of row r stored at chunk
+// c ^ (r % 8): the 8 rows one ldmatrix reads, and the 8 chunks of a row a cp.async
+// phase writes, fall in distinct banks without padding.
 #include "attention_mma.cuh"
 
 using namespace sparkd;
@@ -32,19 +43,23 @@ using attn::ldmatrix_x4;
 using attn::mma_16816;
 using attn::pack_pair;
 
-constexpr int kTileM = 64;   // sorted rows per block
-constexpr int kTileN = 128;  // weight rows per block (for gate_up: 64 gate rows, then the 64 matching up rows)
-constexpr int kTileK = 32;   // K per pipeline stage
-constexpr int kStages = 4;
-constexpr int kWarpsN = 2;  // warps side by side in N; kTileM / kWarpM of them in M
-constexpr int kWarpM = 32, kWarpN = kTileN / kWarpsN;  // each warp: 32 rows x 64 weight rows
-constexpr int kThreads = 32 * (kTileM / kWarpM) * kWarpsN;
+constexpr int kTileM = 128;  // sorted rows per block
+constexpr int kTileN = 256;  // weight rows per block (for gate_up: 128 gate rows, then the 128 matching up rows)
+constexpr int kTileK = 64;   // K per pipeline stage: one 128-byte row of 16-bit elements
+constexpr int kWarpsM = 2, kWarpsN = 4;
+constexpr int kWarpM = kTileM / kWarpsM, kWarpN = kTileN / kWarpsN;  // 64 x 64 per warp
+constexpr int kThreads = 32 * kWarpsM * kWarpsN;
 constexpr int kMT = kWarpM / 16, kNT = kWarpN / 8;  // a warp's m16 and n8 tiles
+constexpr int kGroupM = 8;                          // M-tile slots per raster group
 constexpr int kChunkBytes = 16;
-// Shared-memory row stride: one 16-byte pad per row, so the 8 rows an ldmatrix reads
-// fall in distinct banks.
-template <typename T>
-__host__ __device__ constexpr int tile_ld() { return kTileK + kChunkBytes / static_cast<int>(sizeof(T)); }
+constexpr int kRowBytes = 128;  // kTileK 16-bit elements
+constexpr int kChunksPerRow = kRowBytes / kChunkBytes;
+constexpr int kStageBytes = (kTileM + kTileN) * kRowBytes;  // A [kTileM] rows, then B [kTileN] rows
+
+// Byte offset of chunk `chunk` of row `row` in a swizzled tile.
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kRowBytes + ((chunk ^ (row % 8)) * kChunkBytes);
+}
 
 constexpr int kPlanThreads = 1024;  // >= the most experts moe_routing.cu handles
 
@@ -61,16 +76,23 @@ __global__ void __launch_bounds__(kPlanThreads)
   if (threadIdx.x == 0) tile_starts[num_experts] = total;
 }
 
-// The block's M-tile: sorted rows [row0, row_end) of `expert`, row_end - row0 <= kTileM.
-struct MTile {
-  int expert, row0, row_end;
+// The block's work: sorted rows [row0, row_end) of `expert`, row_end - row0 <= kTileM, against
+// weight tile n_block.
+struct BlockTile {
+  int expert, row0, row_end, n_block;
 };
 
-// Finds the expert owning M-tile blockIdx.y: the number of experts whose tiles all lie
-// before it (tile_starts is non-decreasing). False, for every thread, past the total.
-// Every thread of the block must call it.
-__device__ __forceinline__ bool find_m_tile(const int* tile_starts, const int* offsets, int num_experts, MTile& tile) {
-  const int slot = blockIdx.y;
+// Maps blockIdx.x to (M-tile slot, weight tile) in groups of kGroupM slots, M fastest, and
+// finds the expert owning the slot: the number of experts whose tiles all lie before it
+// (tile_starts is non-decreasing). False, for every thread, past the total. The grid is
+// num_slots * (weight tiles) blocks. Every thread of the block must call it.
+__device__ __forceinline__ bool find_block_tile(const int* tile_starts, const int* offsets, int num_experts,
+                                                int num_slots, BlockTile& tile) {
+  const int num_n = gridDim.x / num_slots;
+  const int group = blockIdx.x / (kGroupM * num_n), in_group = blockIdx.x % (kGroupM * num_n);
+  const int first_slot = group * kGroupM;
+  const int group_slots = min(num_slots - first_slot, kGroupM);
+  const int slot = first_slot + in_group % group_slots;
   if (slot >= tile_starts[num_experts]) return false;
   int expert = 0;
   for (int first = 0; first < num_experts; first += blockDim.x) {
@@ -79,59 +101,85 @@ __device__ __forceinline__ bool find_m_tile(const int* tile_starts, const int* o
   }
   tile.expert = expert;
   tile.row0 = offsets[expert] + (slot - tile_starts[expert]) * kTileM;
-  tile.row_end = offsets[expert + 1];
+  tile.row_end = min(offsets[expert + 1], tile.row0 + kTileM);
+  tile.n_block = in_group / group_slots;
   return true;
 }
 
-// The sources of a thread's 16-byte chunks of every K slice: chunk column kc of tile rows
-// r0 + i * kRowStep, nullptr for a row past the end (zero-filled).
+// The sources of a thread's 16-byte chunks of every K slice: chunk kc of tile rows
+// first_row() + i * kRowStep, nullptr for a row past the end (zero-filled).
 template <typename T, int kRows>
 struct TileSources {
-  static constexpr int kChunksPerRow = kTileK * static_cast<int>(sizeof(T)) / kChunkBytes;
   static constexpr int kRowStep = kThreads / kChunksPerRow;
   static constexpr int kPerThread = kRows / kRowStep;
+  static constexpr int kChunkElems = kChunkBytes / static_cast<int>(sizeof(T));
   static_assert(kRows % kRowStep == 0, "every thread copies the same number of rows");
   const T* row[kPerThread];
 
   __device__ static int first_row() { return threadIdx.x / kChunksPerRow; }
-  __device__ static int chunk_col() {
-    return (threadIdx.x % kChunksPerRow) * (kChunkBytes / static_cast<int>(sizeof(T)));
-  }
 
-  // Starts copying K slice [k0, k0 + kTileK) into dst [kRows][tile_ld]; K past k_size is zeroed.
-  __device__ __forceinline__ void load(T* dst, int k0, int k_size, const T* any_valid) const {
-    const int col = chunk_col(), r0 = first_row();
-    const bool k_valid = k0 + col < k_size;
+  // Starts copying K slice [k0, k0 + kTileK) into the swizzled tile at dst; K past k_size is zeroed.
+  __device__ __forceinline__ void load(unsigned char* dst, int k0, int k_size, const T* any_valid) const {
+    const int chunk = threadIdx.x % kChunksPerRow, col = k0 + chunk * kChunkElems;
+    const bool k_valid = col < k_size;
+    // Rows first_row() + i * kRowStep share their swizzle, as kRowStep is a multiple of 8.
+    unsigned char* first = dst + swizzled(first_row(), chunk);
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const bool valid = k_valid && row[i] != nullptr;
-      cp_async_16(dst + (r0 + i * kRowStep) * tile_ld<T>() + col, valid ? row[i] + k0 + col : any_valid, valid);
+      cp_async_16(first + i * kRowStep * kRowBytes, valid ? row[i] + col : any_valid, valid);
     }
   }
 };
 
-// acc += a_tile . b_tile^T for the warp's 32 rows and 64 weight rows of one K slice.
-// a_tile [kTileM][tile_ld], b_tile [kTileN][tile_ld] in shared memory; b_rows[np] is the
-// tile row of the warp's n-tile pair np (n-tiles 2np and 2np + 1, 16 rows).
-template <typename T>
-__device__ __forceinline__ void warp_mma_slice(float (&acc)[kMT][kNT][4], const T* a_tile, const T* b_tile,
-                                               const int (&b_rows)[kNT / 2], int warp_m, int lane) {
-  constexpr int LD = tile_ld<T>();
+// The tile row of the first weight row of a warp's n-tile pair np (n-tiles 2np, 2np + 1).
+// kPairedHalves (gate_up): pairs 0 .. kNT/4 - 1 are the warp's gate rows in the first half
+// of the tile, the rest the matching up rows in the second; otherwise kWarpN rows in a run.
+template <bool kPairedHalves>
+__device__ __forceinline__ constexpr int pair_row(int np) {
+  return kPairedHalves ? (np / (kNT / 4)) * (kTileN / 2) + (np % (kNT / 4)) * 16 : np * 16;
+}
+
+// The warp's ldmatrix fragments of one 16-wide K step: a[mt] (rows of m-tile mt) and
+// b[np] (n-tiles 2np and 2np + 1). a_row, b_row: byte offsets of the lane's rows;
+// `step` picks the chunk pair, swizzled by the lane's row % 8 (= lane % 8).
+template <bool kPairedHalves>
+__device__ __forceinline__ void load_fragments(unsigned (&a)[kMT][4], unsigned (&b)[kNT / 2][4],
+                                               const unsigned char* a_tile, const unsigned char* b_tile, int a_row,
+                                               int b_row, int step, int lane) {
+  // A matrices: rows 0-7 k 0-7, rows 8-15 k 0-7, rows 0-7 k 8-15, rows 8-15 k 8-15.
+  const int a_chunk = ((2 * step + lane / 16) ^ (lane % 8)) * kChunkBytes;
+  // B matrices: rows 0-7 k 0-7, rows 0-7 k 8-15, rows 8-15 k 0-7, rows 8-15 k 8-15.
+  const int b_chunk = ((2 * step + (lane / 8) % 2) ^ (lane % 8)) * kChunkBytes;
 #pragma unroll
-  for (int k16 = 0; k16 < kTileK; k16 += 16) {
-    unsigned a[kMT][4];
+  for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], a_tile + a_row + mt * 16 * kRowBytes + a_chunk);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-      ldmatrix_x4(a[mt], a_tile + (warp_m * kWarpM + mt * 16 + lane % 16) * LD + k16 + (lane / 16) * 8);
+  for (int np = 0; np < kNT / 2; ++np)
+    ldmatrix_x4(b[np], b_tile + b_row + pair_row<kPairedHalves>(np) * kRowBytes + b_chunk);
+}
+
+// acc += a_tile . b_tile^T for the warp's 64 rows and 64 weight rows of one K slice; m-tiles
+// mt >= m_tiles (rows past the expert's) skip their MMAs. The next step's fragments load
+// while the current step's MMAs run.
+template <typename T, bool kPairedHalves>
+__device__ __forceinline__ void warp_mma_slice(float (&acc)[kMT][kNT][4], const unsigned char* a_tile,
+                                               const unsigned char* b_tile, int a_row, int b_row, int m_tiles,
+                                               int lane) {
+  constexpr int kSteps = kTileK / 16;
+  unsigned a[2][kMT][4], b[2][kNT / 2][4];
+  load_fragments<kPairedHalves>(a[0], b[0], a_tile, b_tile, a_row, b_row, 0, lane);
 #pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-      // Matrices: rows 0-7 k 0-7, rows 0-7 k 8-15, rows 8-15 k 0-7, rows 8-15 k 8-15.
-      unsigned b[4];
-      ldmatrix_x4(b, b_tile + (b_rows[np] + lane % 8 + (lane / 16) * 8) * LD + k16 + ((lane / 8) % 2) * 8);
+  for (int step = 0; step < kSteps; ++step) {
+    const int cur = step % 2;
+    if (step + 1 < kSteps)
+      load_fragments<kPairedHalves>(a[1 - cur], b[1 - cur], a_tile, b_tile, a_row, b_row, step + 1, lane);
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
-        mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+    for (int mt = 0; mt < kMT; ++mt) {
+      if (mt >= m_tiles) continue;
+#pragma unroll
+      for (int np = 0; np < kNT / 2; ++np) {
+        mma_16816<T>(acc[mt][2 * np], a[cur][mt], b[cur][np][0], b[cur][np][1]);
+        mma_16816<T>(acc[mt][2 * np + 1], a[cur][mt], b[cur][np][2], b[cur][np][3]);
       }
     }
   }
@@ -139,15 +187,17 @@ __device__ __forceinline__ void warp_mma_slice(float (&acc)[kMT][kNT][4], const 
 
 // acc = A . B^T over K for the block's tile, through a kStages-deep cp.async pipeline.
 // a: the thread's activation rows, b: its weight rows. Every thread must call it.
-template <typename T>
+template <typename T, int kStages, bool kPairedHalves>
 __device__ __forceinline__ void tile_product(float (&acc)[kMT][kNT][4], const TileSources<T, kTileM>& a,
-                                             const TileSources<T, kTileN>& b, const int (&b_rows)[kNT / 2],
-                                             int k_size, const T* any_valid) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kStageElems = (kTileM + kTileN) * tile_ld<T>();
-  T* stages = reinterpret_cast<T*>(smem);  // per stage: A [kTileM][LD], then B [kTileN][LD]
+                                             const TileSources<T, kTileN>& b, const BlockTile& tile, int k_size,
+                                             const T* any_valid) {
+  extern __shared__ __align__(128) unsigned char smem[];  // per stage: A [kTileM] rows, then B [kTileN] rows
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warp_m = warp / kWarpsN;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  const int a_row = (warp_m * kWarpM + lane % 16) * kRowBytes;
+  const int b_first = kPairedHalves ? warp_n * (kWarpN / 2) : warp_n * kWarpN;
+  const int b_row = (b_first + lane % 8 + (lane / 16) * 8) * kRowBytes;
+  const int m_tiles = (tile.row_end - tile.row0 - warp_m * kWarpM + 15) / 16;  // may be <= 0 or > kMT
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -159,45 +209,52 @@ __device__ __forceinline__ void tile_product(float (&acc)[kMT][kNT][4], const Ti
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_slices) {
-      a.load(stages + s * kStageElems, s * kTileK, k_size, any_valid);
-      b.load(stages + s * kStageElems + kTileM * tile_ld<T>(), s * kTileK, k_size, any_valid);
+      a.load(smem + s * kStageBytes, s * kTileK, k_size, any_valid);
+      b.load(smem + s * kStageBytes + kTileM * kRowBytes, s * kTileK, k_size, any_valid);
     }
     cp_async_commit();
   }
   for (int slice = 0; slice < num_slices; ++slice) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of `slice` have landed
+    // Every thread's copies of `slice` are visible, and every warp is done with slice - 1,
+    // whose stage the load below refills.
+    __syncthreads();
     const int ahead = slice + kStages - 1;
     if (ahead < num_slices) {
-      T* stage = stages + (ahead % kStages) * kStageElems;
+      unsigned char* stage = smem + (ahead % kStages) * kStageBytes;
       a.load(stage, ahead * kTileK, k_size, any_valid);
-      b.load(stage + kTileM * tile_ld<T>(), ahead * kTileK, k_size, any_valid);
+      b.load(stage + kTileM * kRowBytes, ahead * kTileK, k_size, any_valid);
     }
-    cp_async_commit();  // possibly empty: one group per slice keeps the count below right
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
-    const T* stage = stages + (slice % kStages) * kStageElems;
-    warp_mma_slice<T>(acc, stage, stage + kTileM * tile_ld<T>(), b_rows, warp_m, lane);
-    __syncthreads();  // the stage is refilled by a later load
+    cp_async_commit();  // possibly empty: one group per slice keeps the count above right
+    const unsigned char* stage = smem + (slice % kStages) * kStageBytes;
+    warp_mma_slice<T, kPairedHalves>(acc, stage, stage + kTileM * kRowBytes, a_row, b_row, m_tiles, lane);
   }
+}
+
+// The sorted row of a lane's accumulator elements 2 * half, 2 * half + 1 in m-tile mt.
+__device__ __forceinline__ int acc_row(const BlockTile& tile, int mt, int half) {
+  const int lane = threadIdx.x % 32, warp_m = threadIdx.x / 32 / kWarpsN;
+  return tile.row0 + warp_m * kWarpM + mt * 16 + lane / 4 + 8 * half;
 }
 
 // hidden[row, c] = silu(x[tok] . gate[e, c]) * (x[tok] . up[e, c]) for every sorted row of
 // expert e, tok = sorted_pairs[row] / top_k; silu(g) = g / (1 + exp(-g)).
 // hidden [P, I] contiguous, x [T, H] (row stride ld_x), gate_up [E, 2I, H] contiguous.
-// A block's 128 weight rows are 64 gate rows c0 .. c0 + 63 and the same 64 up rows, and
+// A block's 256 weight rows are 128 gate rows c0 .. c0 + 127 and the same 128 up rows, and
 // each warp holds 32 gate columns and their up columns, so SiLU-and-mul runs in registers.
-// Launch: grid (ceil(I / 64), ceil(P / kTileM) + min(E, P)), kThreads threads, dynamic
-// shared memory moe_grouped_smem_bytes. Preconditions (checked by the launcher): H, I and
-// ld_x are multiples of a 16-byte chunk; x and gate_up are 16-byte aligned.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
+// Launch: grid num_slots * ceil(I / 128) with num_slots = ceil(P / kTileM) + min(E, P),
+// kThreads threads, dynamic shared memory kStages * kStageBytes. Preconditions (checked by
+// the launcher): H, I and ld_x are multiples of a 16-byte chunk; x and gate_up are 16-byte aligned.
+template <typename T, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
     moe_grouped_gate_up_kernel(T* __restrict__ hidden, const T* __restrict__ x, const T* __restrict__ gate_up,
                                const int* __restrict__ sorted_pairs, const int* __restrict__ offsets,
-                               const int* __restrict__ tile_starts, int num_experts, int top_k, int hidden_size,
-                               int inter_size, long long ld_x) {
+                               const int* __restrict__ tile_starts, int num_experts, int num_slots, int top_k,
+                               int hidden_size, int inter_size, long long ld_x) {
   constexpr int kCols = kTileN / 2;  // hidden columns per block
-  MTile tile;
-  if (!find_m_tile(tile_starts, offsets, num_experts, tile)) return;
-  const int col0 = blockIdx.x * kCols;
+  BlockTile tile;
+  if (!find_block_tile(tile_starts, offsets, num_experts, num_slots, tile)) return;
+  const int col0 = tile.n_block * kCols;
 
   TileSources<T, kTileM> a;
 #pragma unroll
@@ -215,23 +272,17 @@ __global__ void __launch_bounds__(kThreads)
                    ? expert_w + (static_cast<long long>(r < kCols ? 0 : inter_size) + col) * hidden_size
                    : nullptr;
   }
-  // The warp's n-tiles 0 .. kNT/2 - 1 are gate columns, the rest their up columns.
-  const int warp_n = (threadIdx.x / 32) % kWarpsN;
-  int b_rows[kNT / 2];
-#pragma unroll
-  for (int np = 0; np < kNT / 2; ++np) {
-    b_rows[np] = (np / (kNT / 4)) * kCols + warp_n * (kWarpN / 2) + (np % (kNT / 4)) * 16;
-  }
 
   float acc[kMT][kNT][4];
-  tile_product<T>(acc, a, b, b_rows, hidden_size, x);
+  tile_product<T, kStages, true>(acc, a, b, tile, hidden_size, x);
 
-  const int lane = threadIdx.x % 32, warp_m = threadIdx.x / 32 / kWarpsN;
+  // The warp's n-tiles 0 .. kNT/2 - 1 are gate columns, the rest their up columns.
+  const int lane = threadIdx.x % 32, warp_n = (threadIdx.x / 32) % kWarpsN;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = tile.row0 + warp_m * kWarpM + mt * 16 + lane / 4 + 8 * half;
+      const int row = acc_row(tile, mt, half);
       if (row >= tile.row_end) continue;
 #pragma unroll
       for (int nt = 0; nt < kNT / 2; ++nt) {
@@ -251,17 +302,17 @@ __global__ void __launch_bounds__(kThreads)
 
 // expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, in fp32.
 // expert_out [P, H] float32, hidden [P, I], down [E, H, I], all contiguous.
-// Launch: grid (ceil(H / kTileN), ceil(P / kTileM) + min(E, P)), kThreads threads, dynamic
-// shared memory moe_grouped_smem_bytes. Preconditions (checked by the launcher): H and I
-// are multiples of a 16-byte chunk; hidden and down are 16-byte aligned.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
+// Launch: grid num_slots * ceil(H / kTileN) with num_slots = ceil(P / kTileM) + min(E, P),
+// kThreads threads, dynamic shared memory kStages * kStageBytes. Preconditions (checked by
+// the launcher): H and I are multiples of a 16-byte chunk; hidden and down are 16-byte aligned.
+template <typename T, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
     moe_grouped_down_kernel(float* __restrict__ expert_out, const T* __restrict__ hidden, const T* __restrict__ down,
                             const int* __restrict__ offsets, const int* __restrict__ tile_starts, int num_experts,
-                            int hidden_size, int inter_size) {
-  MTile tile;
-  if (!find_m_tile(tile_starts, offsets, num_experts, tile)) return;
-  const int h0 = blockIdx.x * kTileN;
+                            int num_slots, int hidden_size, int inter_size) {
+  BlockTile tile;
+  if (!find_block_tile(tile_starts, offsets, num_experts, num_slots, tile)) return;
+  const int h0 = tile.n_block * kTileN;
 
   TileSources<T, kTileM> a;
 #pragma unroll
@@ -275,20 +326,16 @@ __global__ void __launch_bounds__(kThreads)
     const int h = h0 + b.first_row() + i * b.kRowStep;
     b.row[i] = h < hidden_size ? down + (static_cast<long long>(tile.expert) * hidden_size + h) * inter_size : nullptr;
   }
-  const int warp_n = (threadIdx.x / 32) % kWarpsN;
-  int b_rows[kNT / 2];
-#pragma unroll
-  for (int np = 0; np < kNT / 2; ++np) b_rows[np] = warp_n * kWarpN + np * 16;
 
   float acc[kMT][kNT][4];
-  tile_product<T>(acc, a, b, b_rows, inter_size, hidden);
+  tile_product<T, kStages, false>(acc, a, b, tile, inter_size, hidden);
 
-  const int lane = threadIdx.x % 32, warp_m = threadIdx.x / 32 / kWarpsN;
+  const int lane = threadIdx.x % 32, warp_n = (threadIdx.x / 32) % kWarpsN;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = tile.row0 + warp_m * kWarpM + mt * 16 + lane / 4 + 8 * half;
+      const int row = acc_row(tile, mt, half);
       if (row >= tile.row_end) continue;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {

@@ -56,16 +56,28 @@ def test_the_grid_covers_the_tiles_of_any_routing():
     assert grouped.max_m_tiles(8 * (grouped.TILE_M + 1), 8) == 17
 
 
-def test_shared_memory_is_four_stages_of_padded_a_and_b_slices():
-    assert grouped.smem_bytes(DType.bfloat16) == 4 * (64 + 128) * (32 + 8) * 2 == 61440
+def test_shared_memory_is_the_a_and_b_slices_of_every_stage():
+    """A stage holds 128 activation rows and 256 weight rows of 64 16-bit elements, unpadded (swizzled)."""
+    assert grouped.smem_bytes(4) == 4 * (128 + 256) * 64 * 2 == 196608
+    assert grouped.smem_bytes(2) == 98304
+
+
+def test_the_pipeline_is_as_deep_as_the_devices_shared_memory_allows():
+    assert grouped.pipeline_stages(232448) == 4  # Hopper: 227 KiB per block
+    assert grouped.pipeline_stages(101376) == 2  # sm_120: 99 KiB per block
+    with pytest.raises(ValueError, match="need 98304 bytes of shared memory per block, this device allows 65536"):
+        grouped.pipeline_stages(65536)
+    with pytest.raises(ValueError, match=r"stages must be one of \(4, 2\) or None, got 3"):
+        grouped.moe_grouped_down(_fake((T * K, H), "float32"), _fake((T * K, I)), _fake((E, H, I)), *_plan()[1:],
+                                 None, stages=3)
 
 
 def test_every_kernel_is_registered_for_the_half_types():
     names = {spec.name for spec in grouped.SPECS}
     assert "moe_tile_plan_kernel" in names
     for kernel in ("moe_grouped_gate_up_kernel", "moe_grouped_down_kernel"):
-        assert {f"{kernel}<__half>", f"{kernel}<__nv_bfloat16>"} <= names
-        assert f"{kernel}<float>" not in names
+        assert {f"{kernel}<{c_type}, {stages}>" for c_type in ("__half", "__nv_bfloat16") for stages in (4, 2)} <= names
+        assert not any(name.startswith(f"{kernel}<float") for name in names)
     assert all(spec.source == "moe_grouped_gemm.cu" for spec in grouped.SPECS)
 
 
@@ -111,6 +123,7 @@ def test_plan_tensors_must_fit_pairs_and_experts():
         _down(plan=[sorted_pairs, offsets, _fake((E,), "int32")])
     with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[9\] int64"):
         grouped.plan_tiles(_fake((E + 1,), "int64"), offsets, None)
-    with pytest.raises(ValueError, match="at most 65535 row tiles"):
-        _down(expert_out=_fake((70000 * 64, H), "float32"), hidden=_fake((70000 * 64, I)),
+    # 2^30 pairs make 2^23 + 8 M-tile slots; 256 weight tiles of H = 65536 push the grid past 2^31 - 1.
+    with pytest.raises(ValueError, match="at most 2147483647 blocks, got 2147485696"):
+        _down(expert_out=_fake((2**30, 65536), "float32"), hidden=_fake((2**30, I)), down=_fake((E, 65536, I)),
               plan=[None, offsets, tile_starts])

@@ -25,7 +25,7 @@ from .moe_cases import Routing, random_choices, random_expert_weights, reference
 pytestmark = pytest.mark.gpu
 
 QWEN3_30B = (2048, 768)  # (H, I) of Qwen3-30B-A3B
-ODD = (200, 88)  # whole 16-byte chunks, but no K a multiple of the 32-wide K slice, no N of the 64/128 tile
+ODD = (200, 88)  # whole 16-byte chunks, but no K a multiple of the 64-wide K slice, no N of the 128/256 tile
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,9 @@ def expert_weights(gpu):
     return make
 
 
-def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing):
-    """plan + both kernels on the device: (hidden [P, I], expert_out [P, H]) as numpy."""
+def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing, stages=None):
+    """plan + both kernels on the device (at pipeline depth `stages`, by default the device's):
+    (hidden [P, I], expert_out [P, H]) as numpy."""
     sorted_pairs, offsets, _, _ = routing.upload(gpu)
     num_experts, inter2, hidden_size = gate_up_dev.shape
     num_pairs = routing.sorted_pairs.size
@@ -52,17 +53,17 @@ def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing):
     expert_out = gpu.empty((num_pairs, hidden_size), DType.float32)
     moe_grouped_gemm.plan_tiles(tile_starts, offsets, gpu.stream)
     moe_grouped_gemm.moe_grouped_gate_up(hidden, x_dev, gate_up_dev, sorted_pairs, offsets, tile_starts,
-                                         routing.expert_ids.shape[1], gpu.stream)
-    moe_grouped_gemm.moe_grouped_down(expert_out, hidden, down_dev, offsets, tile_starts, gpu.stream)
+                                         routing.expert_ids.shape[1], gpu.stream, stages)
+    moe_grouped_gemm.moe_grouped_down(expert_out, hidden, down_dev, offsets, tile_starts, gpu.stream, stages)
     expected_starts = np.concatenate([[0], np.cumsum(-(-np.diff(routing.offsets) // moe_grouped_gemm.TILE_M))])
     np.testing.assert_array_equal(gpu.download(tile_starts), expected_starts)
     return gpu.download(hidden), gpu.download(expert_out)
 
 
-def _check(gpu, rel_error, tolerance, dtype, x_dev, x, weights, routing: Routing):
+def _check(gpu, rel_error, tolerance, dtype, x_dev, x, weights, routing: Routing, stages=None):
     """Runs the GEMMs and compares both outputs; weights = (gate_up_dev, down_dev, gate_up, down)."""
     gate_up_dev, down_dev, gate_up, down = weights
-    hidden, expert_out = _run(gpu, x_dev, gate_up_dev, down_dev, routing)
+    hidden, expert_out = _run(gpu, x_dev, gate_up_dev, down_dev, routing, stages)
     hidden_ref, expert_out_ref = reference(x, gate_up, down, routing)
     assert np.all(np.isfinite(hidden)) and np.all(np.isfinite(expert_out)), "an idle expert's weights were used"
     assert rel_error(hidden, hidden_ref) <= tolerance[dtype]
@@ -97,6 +98,24 @@ def test_qwen3_30b_shapes_match_numpy(gpu, rel_error, tolerance, expert_weights,
     _check(gpu, rel_error, tolerance, dtype, x_dev, x, expert_weights(num_experts, *QWEN3_30B, dtype), routing)
 
 
+@pytest.mark.parametrize("stages", moe_grouped_gemm.STAGES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tile_edges_and_every_pipeline_depth_match_numpy(gpu, rel_error, tolerance, expert_weights, dtype, stages):
+    """Expert row counts on each side of the 16-row MMA groups, the 64-row warp split and the
+    128-row M-tile (so last tiles of 1 to 127 rows), 3 weight tiles of either GEMM with a last
+    one of 8 rows, K of 8 past whole 64-wide slices, and 30 M-tile slots (21 used): 3 raster
+    groups of 8 and a last one of 6. Both instantiated pipeline depths run, whatever the device picks."""
+    counts = [0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 0, 300]
+    hidden_size, inter = 520, 264
+    rng = np.random.default_rng(6)
+    expert_ids = rng.permutation(np.repeat(np.arange(len(counts)), counts)).astype(np.int32)[:, None]
+    routing = Routing.of(expert_ids, len(counts))
+    assert moe_grouped_gemm.max_m_tiles(expert_ids.size, len(counts)) == 30
+    x_dev, x = _tokens(gpu, rng, expert_ids.shape[0], hidden_size, dtype)
+    weights = expert_weights(len(counts), hidden_size, inter, dtype)
+    _check(gpu, rel_error, tolerance, dtype, x_dev, x, weights, routing, stages)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_idle_experts_are_never_read_and_spaced_rows_are_honoured(gpu, rel_error, tolerance, dtype):
     """Tokens choose among 4 of 16 experts; the other 12 hold NaN. x is a column slice of a
@@ -117,7 +136,7 @@ def test_idle_experts_are_never_read_and_spaced_rows_are_honoured(gpu, rel_error
 
 @pytest.mark.parametrize("num_tokens,top_k", [(2048, 1), (257, 2)])
 def test_one_expert_takes_every_token(gpu, rel_error, tolerance, num_tokens, top_k):
-    """Every token picks expert 77 first: 32 full M-tiles of one expert, or 4 and a last
+    """Every token picks expert 77 first: 16 full M-tiles of one expert, or 2 and a last
     tile of one row; the 125 experts no token chose hold NaN."""
     rng = np.random.default_rng(2)
     expert_ids = np.full((num_tokens, top_k), 77, np.int32)

@@ -9,9 +9,11 @@ in expert order as the alignment kernel (`moe_routing.py`) lays them out:
     moe_grouped_down:    expert_out [P, H] float32 = hidden @ down[e]^T
 
 bf16 and fp16 only (mma.sync m16n8k16, fp32 accumulation); fp32 stays on moe_gemm. A block
-computes TILE_M sorted rows of one expert against 128 weight rows, so an expert's weights
+computes TILE_M sorted rows of one expert against 256 weight rows, so an expert's weights
 stream once per TILE_M of its rows rather than once per 16. The grid depends on
 (P, E, N) only, never on the routing, so the three launches are graph-capturable.
+The pipeline is 4 K slices deep where the device gives a block the shared memory for it
+(Hopper: 192 KiB of its 227), else 2 (96 KiB: sm_120's limit is 99).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 
 from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
-from ..driver import Stream
+from ..driver import Stream, current_device
 from ..tensor import DeviceTensor
 from . import i32, require, require_contiguous, require_dtype
 from .moe_gemm import (
@@ -34,27 +36,28 @@ from .moe_routing import MAX_EXPERTS
 
 _SOURCE = "moe_grouped_gemm.cu"
 DTYPES = (DType.float16, DType.bfloat16)  # the tensor-core element types
-TILE_M = 64  # kTileM: sorted rows of one expert per block
-_TILE_N = 128  # kTileN: weight rows per block
+TILE_M = 128  # kTileM: sorted rows of one expert per block
+_TILE_N = 256  # kTileN: weight rows per block
 _GATE_UP_COLS = _TILE_N // 2  # hidden columns per gate_up block: their gate rows and their up rows
-_TILE_K = 32  # kTileK
-_STAGES = 4  # kStages
-_THREADS = 128  # kThreads
+_STAGE_BYTES = (TILE_M + _TILE_N) * 128  # kStageBytes: a 64-wide K slice of A and B rows, 16-bit elements
+STAGES = (4, 2)  # the instantiated pipeline depths, deepest first
+_THREADS = 256  # kThreads
 _PLAN_THREADS = 1024  # kPlanThreads
-_MAX_GRID_Y = 65535  # CUDA's limit on grid dim y, which holds one slot per possible M-tile
-# Below this many rows per expert on average, a 64-row tile is mostly padding and the
+_MAX_GRID = 2**31 - 1  # CUDA's limit on grid dim x, which holds every (M-tile slot, weight tile) pair
+# Below this many rows per expert on average, a 128-row tile is mostly padding and the
 # GEMV-style moe_gemm, which streams the weights at full bandwidth, wins.
 MIN_ROWS_PER_EXPERT = 16
 
 _PLAN = KernelSpec(_SOURCE, "moe_tile_plan_kernel")
 
 
-def _spec(kernel: str, dtype: DType) -> KernelSpec:
-    return KernelSpec(_SOURCE, f"{kernel}<{dtype.c_type}>")
+def _spec(kernel: str, dtype: DType, stages: int) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"{kernel}<{dtype.c_type}, {stages}>")
 
 
-SPECS = [_PLAN] + [_spec(kernel, dtype) for kernel in ("moe_grouped_gate_up_kernel", "moe_grouped_down_kernel")
-                   for dtype in DTYPES]
+SPECS = [_PLAN] + [_spec(kernel, dtype, stages)
+                   for kernel in ("moe_grouped_gate_up_kernel", "moe_grouped_down_kernel")
+                   for dtype in DTYPES for stages in STAGES]
 
 
 def use_grouped_gemm(num_pairs: int, num_experts: int, dtype: DType) -> bool:
@@ -65,15 +68,23 @@ def use_grouped_gemm(num_pairs: int, num_experts: int, dtype: DType) -> bool:
 
 
 def max_m_tiles(num_pairs: int, num_experts: int) -> int:
-    """Grid dim y: an upper bound on sum_e ceil(count_e / TILE_M) over any routing of P pairs,
+    """M-tile slots of the grid: an upper bound on sum_e ceil(count_e / TILE_M) over any routing of P pairs,
     as each of the at most min(E, P) active experts leaves at most one partial tile."""
     return -(-num_pairs // TILE_M) + min(num_experts, num_pairs)
 
 
-def smem_bytes(dtype: DType) -> int:
-    """Dynamic shared memory of both GEMM kernels: _STAGES slices of A and B, rows padded by 16 bytes."""
-    row_stride = _TILE_K + 16 // dtype.itemsize
-    return _STAGES * (TILE_M + _TILE_N) * row_stride * dtype.itemsize
+def smem_bytes(stages: int) -> int:
+    """Dynamic shared memory of both GEMM kernels at a pipeline depth: `stages` K slices of A and B."""
+    return stages * _STAGE_BYTES
+
+
+def pipeline_stages(max_shared_per_block: int) -> int:
+    """The deepest instantiated pipeline whose shared memory a block of this device may have."""
+    for stages in STAGES:
+        if smem_bytes(stages) <= max_shared_per_block:
+            return stages
+    raise ValueError(f"the grouped expert GEMMs need {smem_bytes(STAGES[-1])} bytes of shared memory per block, "
+                     f"this device allows {max_shared_per_block}")
 
 
 def plan_tiles(tile_starts: DeviceTensor, offsets: DeviceTensor, stream: Stream) -> None:
@@ -87,38 +98,41 @@ def plan_tiles(tile_starts: DeviceTensor, offsets: DeviceTensor, stream: Stream)
 
 
 def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, sorted_pairs: DeviceTensor,
-                        offsets: DeviceTensor, tile_starts: DeviceTensor, top_k: int, stream: Stream) -> None:
+                        offsets: DeviceTensor, tile_starts: DeviceTensor, top_k: int, stream: Stream,
+                        stages: int | None = None) -> None:
     """hidden[row] = silu_and_mul(gate_up[e] @ x[sorted_pairs[row] // top_k]) for every sorted row of every
     expert e that has rows. x [T, H] (rows may be spaced), gate_up [E, 2I, H] = [gate | up] per expert,
-    hidden [P = T*top_k, I] in x's dtype (bf16/fp16); tile_starts from `plan_tiles`; fp32 accumulation."""
+    hidden [P = T*top_k, I] in x's dtype (bf16/fp16); tile_starts from `plan_tiles`; fp32 accumulation.
+    stages: the pipeline depth, one of STAGES; by default the deepest this device allows."""
     require(x.ndim == 2 and x.strides[1] == 1, f"x must be [T, H] with unit column stride, got {x}")
     require_dtype("x", x, *DTYPES)
     require(gate_up.ndim == 3 and gate_up.shape[1] % 2 == 0, f"gate_up must be [E, 2I, H], got shape {gate_up.shape}")
     num_tokens, hidden_size = x.shape
     num_experts, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
     require(top_k >= 1, f"top_k must be at least 1, got {top_k}")
+    _require_stages(stages)
     num_pairs = num_tokens * top_k
     require(gate_up.shape[2] == hidden_size,
             f"gate_up's last dim must be x's hidden size {hidden_size}, got shape {gate_up.shape}")
     _require_weights("gate_up", gate_up, x.dtype)
     _require_rows("hidden", hidden, (num_pairs, inter_size), x.dtype)
-    _require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts)
+    weight_tiles = -(-inter_size // _GATE_UP_COLS)
+    _require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     _require_chunks(x.dtype, {"H": hidden_size, "I": inter_size, "x's row stride": _row_stride(x)})
     _require_aligned(x=x, gate_up=gate_up, hidden=hidden)
     if num_pairs == 0 or inter_size == 0:
         return
-    args = [hidden, x, gate_up, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(top_k), i32(hidden_size),
-            i32(inter_size), np.int64(_row_stride(x))]
-    grid = (-(-inter_size // _GATE_UP_COLS), max_m_tiles(num_pairs, num_experts))
-    get_kernel(_spec("moe_grouped_gate_up_kernel", x.dtype)).launch(
-        grid, _THREADS, args, shared_mem=smem_bytes(x.dtype), stream=stream)
+    num_slots = max_m_tiles(num_pairs, num_experts)
+    args = [hidden, x, gate_up, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(num_slots), i32(top_k),
+            i32(hidden_size), i32(inter_size), np.int64(_row_stride(x))]
+    _launch("moe_grouped_gate_up_kernel", x.dtype, num_slots * weight_tiles, args, stages, stream)
 
 
 def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
-                     tile_starts: DeviceTensor, stream: Stream) -> None:
+                     tile_starts: DeviceTensor, stream: Stream, stages: int | None = None) -> None:
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every expert e that has rows.
     hidden [P, I] (bf16/fp16), down [E, H, I] in hidden's dtype, expert_out [P, H] float32;
-    tile_starts from `plan_tiles`; fp32 accumulation."""
+    tile_starts from `plan_tiles`; fp32 accumulation. stages: as for moe_grouped_gate_up."""
     require(hidden.ndim == 2, f"hidden must be [P, I], got shape {hidden.shape}")
     require(down.ndim == 3, f"down must be [E, H, I], got shape {down.shape}")
     num_pairs, inter_size = hidden.shape
@@ -127,31 +141,47 @@ def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: Devic
             f"down's last dim must be hidden's intermediate size {inter_size}, got shape {down.shape}")
     require_dtype("hidden", hidden, *DTYPES)
     require_contiguous("hidden", hidden)
+    _require_stages(stages)
     _require_weights("down", down, hidden.dtype)
     _require_rows("expert_out", expert_out, (num_pairs, hidden_size), DType.float32)
-    _require_plan(None, offsets, tile_starts, num_pairs, num_experts)
+    weight_tiles = -(-hidden_size // _TILE_N)
+    _require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     _require_chunks(hidden.dtype, {"H": hidden_size, "I": inter_size})
     _require_aligned(hidden=hidden, down=down, expert_out=expert_out)
     if num_pairs == 0 or hidden_size == 0:
         return
-    args = [expert_out, hidden, down, offsets, tile_starts, i32(num_experts), i32(hidden_size), i32(inter_size)]
-    grid = (-(-hidden_size // _TILE_N), max_m_tiles(num_pairs, num_experts))
-    get_kernel(_spec("moe_grouped_down_kernel", hidden.dtype)).launch(
-        grid, _THREADS, args, shared_mem=smem_bytes(hidden.dtype), stream=stream)
+    num_slots = max_m_tiles(num_pairs, num_experts)
+    args = [expert_out, hidden, down, offsets, tile_starts, i32(num_experts), i32(num_slots), i32(hidden_size),
+            i32(inter_size)]
+    _launch("moe_grouped_down_kernel", hidden.dtype, num_slots * weight_tiles, args, stages, stream)
+
+
+def _launch(kernel: str, dtype: DType, num_blocks: int, args: list, stages: int | None, stream: Stream) -> None:
+    """One block per (M-tile slot, weight tile); by default at the deepest pipeline the device allows."""
+    if stages is None:
+        stages = pipeline_stages(current_device().max_shared_per_block_optin)
+    get_kernel(_spec(kernel, dtype, stages)).launch(num_blocks, _THREADS, args, shared_mem=smem_bytes(stages),
+                                                    stream=stream)
 
 
 # ---- preconditions ----
 
 def _require_plan(sorted_pairs: DeviceTensor | None, offsets: DeviceTensor, tile_starts: DeviceTensor,
-                  num_pairs: int, num_experts: int) -> None:
-    """The alignment's offsets (and sorted_pairs where read) and plan_tiles' tile_starts for P pairs over E experts."""
+                  num_pairs: int, num_experts: int, weight_tiles: int) -> None:
+    """The alignment's offsets (and sorted_pairs where read) and plan_tiles' tile_starts for P pairs over E experts,
+    and a grid of every M-tile slot times `weight_tiles` within CUDA's limit."""
     expected = {"offsets": (offsets, num_experts + 1), "tile_starts": (tile_starts, num_experts + 1)}
     if sorted_pairs is not None:
         expected["sorted_pairs"] = (sorted_pairs, num_pairs)
     _require_ints(**expected)
-    require(max_m_tiles(num_pairs, num_experts) <= _MAX_GRID_Y,
-            f"at most {_MAX_GRID_Y} row tiles, got {max_m_tiles(num_pairs, num_experts)} for P = {num_pairs}, "
-            f"E = {num_experts}")
+    num_blocks = max_m_tiles(num_pairs, num_experts) * weight_tiles
+    require(num_blocks <= _MAX_GRID,
+            f"at most {_MAX_GRID} blocks, got {num_blocks} for P = {num_pairs}, E = {num_experts} and "
+            f"{weight_tiles} weight tiles")
+
+
+def _require_stages(stages: int | None) -> None:
+    require(stages is None or stages in STAGES, f"stages must be one of {STAGES} or None, got {stages}")
 
 
 def _require_ints(**tensors: tuple[DeviceTensor, int]) -> None:
