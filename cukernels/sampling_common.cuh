@@ -24,14 +24,74 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1
   return c;
 }
 
+__device__ __forceinline__ uint4 philox_group(unsigned long long seed, unsigned long long step, int group) {
+  return philox4x32_10(make_uint4(group, static_cast<unsigned>(step), static_cast<unsigned>(step >> 32), 0u),
+                       static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32));
+}
+
+// E = -log(u) of one Philox word.
+__device__ __forceinline__ float arrival_of_word(unsigned word) {
+  return -logf((static_cast<float>(word >> 9) + 0.5f) * 0x1p-23f);
+}
+
 // E = -log(u) for vocab ids 4 * group + j, j = 0..3.
 __device__ __forceinline__ void arrival_times(unsigned long long seed, unsigned long long step, int group,
                                               float (&arrival)[4]) {
-  const uint4 w = philox4x32_10(make_uint4(group, static_cast<unsigned>(step), static_cast<unsigned>(step >> 32), 0u),
-                                static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32));
+  const uint4 w = philox_group(seed, step, group);
   const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-  for (int j = 0; j < 4; ++j) arrival[j] = -logf((static_cast<float>(words[j] >> 9) + 0.5f) * 0x1p-23f);
+  for (int j = 0; j < 4; ++j) arrival[j] = arrival_of_word(words[j]);
+}
+
+// E = -log(u) for one vocab id (the word arrival_times gives it).
+__device__ __forceinline__ float arrival_time(unsigned long long seed, unsigned long long step, int id) {
+  const uint4 w = philox_group(seed, step, id / 4);
+  const int j = id & 3;
+  return arrival_of_word(j == 0 ? w.x : (j == 1 ? w.y : (j == 2 ? w.z : w.w)));
+}
+
+// ---- race candidates and fixed-point masses ----
+
+// Orders candidates by key, then by lower id; 0 is below every candidate.
+__device__ __forceinline__ unsigned long long best_candidate(unsigned key, int id) {
+  return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<unsigned>(id));
+}
+
+__device__ __forceinline__ int candidate_id(unsigned long long best) {
+  return best == 0 ? 0 : static_cast<int>(0xffffffffu - static_cast<unsigned>(best));
+}
+
+__device__ __forceinline__ unsigned candidate_key(unsigned long long best) { return static_cast<unsigned>(best >> 32); }
+
+struct MaxU64Op {
+  __device__ __forceinline__ unsigned long long operator()(unsigned long long a, unsigned long long b) const {
+    return a > b ? a : b;
+  }
+};
+
+// Top-p masses are fixed point, kMassScale per unit of weight exp(v - max) <= 1,
+// so that sums are exact and independent of order (V * 2^44 < 2^64 up to V = 2^20).
+constexpr double kMassScale = 0x1p44;
+
+__device__ __forceinline__ unsigned long long fixed_mass(float weight) {
+  return __double2ull_rn(static_cast<double>(weight) * kMassScale);
+}
+
+// Calls visit(i, load(i)) for this thread's ids i of [0, n) (threadIdx.x, then
+// every blockDim.x), in increasing order, issuing kBatch loads before using
+// any so that enough memory requests are in flight to stream a row.
+template <int kBatch, typename Load, typename Visit>
+__device__ __forceinline__ void for_each_in_row(int n, Load load, Visit visit) {
+  const int stride = blockDim.x;
+  int i = threadIdx.x;
+  for (; i + (kBatch - 1) * stride < n; i += kBatch * stride) {
+    float v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) v[u] = load(i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) visit(i + u * stride, v[u]);
+  }
+  for (; i < n; i += stride) visit(i, load(i));
 }
 
 // ---- penalties and bans (sampler.apply_penalties + ban_tokens) ----

@@ -9,13 +9,18 @@
 //   greedy rows: each block's best (value, lowest id) goes into the row's
 //     atomicMax slot; the block that departs last writes the token. No barrier.
 //   other rows: the row's max (atomicMax on order-preserving keys), barrier;
-//     top-k, then top-p, each a radix descent on the keys (11, 11, 10 bits, as
-//     select_threshold) whose per-level histograms the blocks add up in global
-//     memory with integer atomics, one barrier per level, every block then
-//     picking the same bin from the same totals (early out once the chosen bin
-//     is wholly kept); then each block races its kept ids (weight / -log u, as
-//     sample_kernel) into the row's atomicMax slot, and the last to depart
-//     writes the token.
+//     then, for top-k / top-p rows, the blocks add their chunks' bin counts
+//     (sampling_candidates.cuh) in global memory, barrier, and every block
+//     plans the same candidate bins from the same totals. When the candidates
+//     fit, each block appends its own to the row's list and the block that
+//     departs last sorts the list and draws the token from it. Otherwise (and
+//     for temperature / min-p rows, with no cut) top-k, then top-p, each a
+//     radix descent on the keys (11, 11, 10 bits, as select_threshold) whose
+//     per-level histograms the blocks add up in global memory with integer
+//     atomics, one barrier per level, every block then picking the same bin
+//     from the same totals (early out once the chosen bin is wholly kept);
+//     then each block races its kept ids (weight / -log u, as sample_kernel)
+//     into the row's atomicMax slot, and the last to depart writes the token.
 // Integer atomics make every total independent of arrival order, so results
 // are deterministic. Top-p masses are fixed point (kMassScale per unit of
 // weight exp(v - max) <= 1): the cut moves only if the mass above it lies
@@ -25,98 +30,46 @@
 // Row barriers wait for every block of the row, so all of them must be
 // resident at once: the launcher keeps the grid within what the device holds
 // at this kernel's occupancy (plan_split in sampling.py).
-#include "sampling_common.cuh"
+#include "sampling_split_rows.cuh"
 
 using namespace sparkd;
 
 constexpr int kSplitThreads = 256;
-constexpr int kMaxSplitRows = 64;   // MAX_SPLIT_ROWS in sampling.py
-constexpr int kRegions = 3;         // histogram regions a row's descent levels cycle through
-constexpr double kMassScale = 0x1p44;  // fixed-point unit of mass; V * 2^44 < 2^64 up to V = 2^20
 
-// Per-row state shared by the row's blocks. Zero when the module loads; the
-// block that departs last zeroes it again, so a graph replay starts clean.
-// Launches that split must therefore not run concurrently (sparkd runs all
-// work on one stream).
-struct RowSync {
-  unsigned arrived;          // barrier arrivals, cumulative over the launch
-  unsigned departed;         // blocks done with the row
-  unsigned max_key;          // ordered_key of the row's largest value
-  unsigned unused;
-  unsigned long long best;   // best_candidate() of the winner so far; 0: none
-};
-__device__ RowSync split_rows[kMaxSplitRows];
-
-// Level j of a row's descents adds into region j % kRegions and zeroes region
-// (j + 1) % kRegions, which every block finished reading two barriers earlier.
-__device__ unsigned split_counts[kMaxSplitRows][kRegions][kRadixBins];
-__device__ unsigned long long split_masses[kMaxSplitRows][kRegions][kRadixBins];
-
-// Orders candidates by key, then by lower id; 0 is below every candidate.
-__device__ __forceinline__ unsigned long long best_candidate(unsigned key, int id) {
-  return (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<unsigned>(id));
-}
-
-__device__ __forceinline__ int candidate_id(unsigned long long best) {
-  return best == 0 ? 0 : static_cast<int>(0xffffffffu - static_cast<unsigned>(best));
-}
-
-struct MaxU64Op {
-  __device__ __forceinline__ unsigned long long operator()(unsigned long long a, unsigned long long b) const {
-    return a > b ? a : b;
-  }
-};
-
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// Every block of the row waits until all `splits` of them have arrived; what
-// each wrote to global memory before it is visible to all after it.
-__device__ void row_barrier(RowSync& sync, unsigned splits) {
-  __threadfence();
+// The candidate path of a filtered row (sampling_candidates.cuh): bins the
+// block's chunk values[0, n) (ids begin + i) into the row's counts (and mass),
+// waits for the row's blocks, plans from the totals (the same plan in every
+// block) and, when the candidates fit, adds the chunk's to split_candidates[row].
+__device__ CandidatePlan collect_split_candidates(const float* values, int n, int begin, const Filters& f,
+                                                  float shift, int row, unsigned splits, RowSync& sync,
+                                                  SplitShared& s) {
+  unsigned* counts = s.counts;  // its first kCandidateBins entries
+  for (int b = threadIdx.x; b < kCandidateBins; b += blockDim.x) counts[b] = 0u;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned target = (atomicAdd(&sync.arrived, 1u) / splits + 1) * splits;
-    while (load_acquire(&sync.arrived) < target) {
-    }
+  const bool with_total = needs_total(f);
+  unsigned long long mass = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int bin = candidate_bin(values[i], shift);
+    if (bin < kCandidateBins) atomicAdd(&counts[bin], 1u);
+    if (with_total) mass += fixed_mass(expf(values[i] - shift));
   }
+  mass = row_group_reduce(mass, SumOp{}, 0ull, s.wide);  // its barrier also ends the binning
+  for (int b = threadIdx.x; b < kCandidateBins; b += blockDim.x) {
+    if (counts[b] != 0u) atomicAdd(&split_bins[row][b], counts[b]);
+  }
+  if (threadIdx.x == 0 && mass != 0ull) atomicAdd(&sync.total, mass);
+  row_barrier(sync, splits);
+  for (int b = threadIdx.x; b < kCandidateBins; b += blockDim.x) counts[b] = __ldcg(&split_bins[row][b]);
   __syncthreads();
-}
-
-// Offers this block's best (after a block reduction) to the row; the block
-// that departs last returns the row's winner's id in thread 0 (-1 elsewhere)
-// and resets the row's state for the next launch.
-__device__ int depart(RowSync& sync, unsigned splits, unsigned long long best, unsigned long long* scratch) {
-  best = row_group_reduce(best, MaxU64Op{}, 0ull, scratch);
-  int winner = -1;
-  if (threadIdx.x == 0) {
-    if (best) atomicMax(&sync.best, best);
-    __threadfence();
-    if (atomicAdd(&sync.departed, 1u) == splits - 1) {  // every block has passed every barrier
-      __threadfence();
-      winner = candidate_id(atomicAdd(&sync.best, 0ull));
-      sync.arrived = sync.departed = sync.max_key = 0u;
-      sync.best = 0ull;
-    }
+  if (threadIdx.x < 32) plan_candidates(counts, __ldcg(&sync.total), f, kSplitCandidates, s.plan);
+  __syncthreads();
+  const CandidatePlan plan = s.plan;
+  if (plan.fits) {
+    collect_candidates<1>(n, begin, [&](int i) { return values[i]; }, shift, plan.last_bin, split_candidates[row],
+                          &sync.num_candidates);
   }
-  return winner;
+  return plan;
 }
-
-// Shared memory besides the chunk (~24.6 KB).
-struct SplitShared {
-  unsigned counts[kRadixBins];
-  unsigned long long masses[kRadixBins];
-  unsigned long long wide[32];
-  float floats[32];
-  unsigned long long target;  // top-p's target mass
-  unsigned prefix;
-  unsigned above;             // count above the chosen bin (top-k)
-  unsigned long long mass_above;
-  bool done;
-};
 
 // Where a descent stands: the key digits chosen so far and what lies above them.
 struct Descent {
@@ -158,7 +111,7 @@ __device__ unsigned descend_cut(const float* values, int n, bool by_mass, unsign
       if (key < kept_key || (d.level > 0 && (key >> (shift_bits + bits)) != d.prefix)) continue;
       const int bin = (key >> shift_bits) & (num_bins - 1);
       if (by_mass) {
-        const unsigned long long mass = __double2ull_rn(static_cast<double>(expf(values[i] - shift)) * kMassScale);
+        const unsigned long long mass = fixed_mass(expf(values[i] - shift));
         if (mass == 0) continue;
         atomicAdd(&s.masses[bin], mass);
       }
@@ -247,8 +200,9 @@ __device__ unsigned long long race_chunk(const float* values, int n, int begin, 
 
 // logits: [B, V] float32 raw; per-row parameters [B] and id lists [B, P|L|S]
 // (-1 padded) as sample_kernel; out_tokens: [B] int32. B <= kMaxSplitRows.
-// chunk: ids per block, a multiple of 4 (whole Philox groups); the block's
-// chunk values take 4 * chunk bytes of dynamic shared memory.
+// chunk: ids per block, a multiple of 4 (whole Philox groups). Dynamic shared
+// memory: max(4 * chunk, 8 * kSplitCandidates) bytes (the chunk's values, or
+// the row's candidates in the block that draws from them).
 // Launch: grid = (splits = ceil(V / chunk), B), block = kSplitThreads threads,
 // every block resident at once.
 __global__ void __launch_bounds__(kSplitThreads)
@@ -260,7 +214,10 @@ sample_split_kernel(int* __restrict__ out_tokens, const float* __restrict__ logi
                     const int* __restrict__ output_ids, int output_len, const int* __restrict__ banned_ids,
                     int banned_len, const unsigned long long* __restrict__ seeds,
                     const long long* __restrict__ steps) {
-  extern __shared__ float values[];  // the chunk; first the penalty marks in its place
+  // The chunk (first the penalty marks in its place); in the block that draws
+  // from the row's candidates, then those.
+  extern __shared__ unsigned long long dynamic_shared[];
+  float* values = reinterpret_cast<float*>(dynamic_shared);
   __shared__ SplitShared s;
   const int row = blockIdx.y;
   const unsigned splits = gridDim.x;
@@ -288,11 +245,11 @@ sample_split_kernel(int* __restrict__ out_tokens, const float* __restrict__ logi
     best = max(best, best_candidate(ordered_key(v), begin + i));
   }
 
+  const Filters filters = row_filters(top_k[row], top_p[row], min_p[row], vocab);
+  float shift = 0.f;
+  CandidatePlan plan{0, 0u, false};  // plan.fits: the row draws from its candidates
   if (temp != 0.f) {
-    const int k = top_k[row];
-    const float p = top_p[row];
-    const bool use_top_k = k > 0 && k < vocab;
-    if (use_top_k || p < 1.f) {  // zero the first descent level's region before anyone adds into it
+    if (needs_cut(filters)) {  // zero the first descent level's region before anyone adds into it
       const int slice = (kRadixBins + splits - 1) / splits, first = blockIdx.x * slice;
       for (int b = first + threadIdx.x; b < min(kRadixBins, first + slice); b += blockDim.x) {
         split_counts[row][0][b] = 0u;
@@ -304,15 +261,36 @@ sample_split_kernel(int* __restrict__ out_tokens, const float* __restrict__ logi
     row_barrier(sync, splits);
     const float max_value = key_value(__ldcg(&sync.max_key));
     // An all -inf row keeps weights 0 (and draws id 0), as the reference.
-    const float shift = isfinite(max_value) ? max_value : 0.f;
-    int region = 0;
-    unsigned cut = 0;
-    if (use_top_k) cut = descend_cut(values, n, false, k, p, 0u, shift, row, splits, region, sync, s);
-    if (p < 1.f && isfinite(max_value)) {
-      cut = max(cut, descend_cut(values, n, true, 0u, p, cut, shift, row, splits, region, sync, s));
+    shift = isfinite(max_value) ? max_value : 0.f;
+    if (needs_cut(filters) && isfinite(max_value)) {
+      plan = collect_split_candidates(values, n, begin, filters, shift, row, splits, sync, s);
     }
-    best = race_chunk(values, n, begin, cut, shift, min_p[row], seeds[row], static_cast<unsigned long long>(steps[row]));
+    best = 0;
+    if (!plan.fits) {  // radix descents over the row's chunks, then every block races its kept ids
+      int region = 0;
+      unsigned cut = 0;
+      if (filters.top_k > 0) {
+        cut = descend_cut(values, n, false, filters.top_k, filters.top_p, 0u, shift, row, splits, region, sync, s);
+      }
+      if (filters.top_p < 1.f && isfinite(max_value)) {
+        cut = max(cut, descend_cut(values, n, true, 0u, filters.top_p, cut, shift, row, splits, region, sync, s));
+      }
+      best = race_chunk(values, n, begin, cut, shift, filters.min_p, seeds[row],
+                        static_cast<unsigned long long>(steps[row]));
+    }
   }
-  const int winner = depart(sync, splits, best, s.wide);
-  if (winner >= 0) out_tokens[row] = winner;
+  if (!departs_last(sync, splits, best, s)) return;
+  int winner;
+  if (plan.fits) {
+    unsigned long long* keys = dynamic_shared;
+    for (int i = threadIdx.x; i < static_cast<int>(plan.count); i += blockDim.x) {
+      keys[i] = __ldcg(&split_candidates[row][i]);
+    }
+    winner = draw_from_candidates(keys, static_cast<int>(plan.count), filters, shift, __ldcg(&sync.total), seeds[row],
+                                  static_cast<unsigned long long>(steps[row]), s.candidates);
+  } else {
+    winner = candidate_id(__ldcg(&sync.best));
+  }
+  reset_row(sync, row);
+  if (threadIdx.x == 0) out_tokens[row] = winner;
 }

@@ -5,7 +5,9 @@ chosen ids must be identical (random logits make float near-ties vanishingly
 rare). Logprobs compare by relative error max |gpu - ref| / max |ref| <= 1e-5;
 ranks and top ids exactly. Tests that take `split` run both kernels: rows
 spread over many blocks (where `plan_split` allows it at that shape) and one
-block per row."""
+block per row. Both draw top-k / top-p rows from a sorted candidate list when
+it fits and by radix descents over the row when not; the random rows here
+take both paths (flat rows and large k overflow the list)."""
 
 from __future__ import annotations
 
@@ -146,6 +148,45 @@ def test_penalties_and_bans_match_the_reference(gpu, split, vocab):
     got, expected = sample_both(gpu, logits, params, split)
     np.testing.assert_array_equal(got.token_ids, expected.token_ids)
     assert not np.any(got.token_ids[::3, None] == banned[::3, :2])
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_candidate_capacity_edges_match_the_reference(gpu, split):
+    """top-k right at and past the candidate lists' capacity (the longer ones fall back to
+    radix descents), and top-p cuts from narrow to flat, in one launch."""
+    rng = np.random.default_rng(9)
+    rows, vocab = 8, 151936
+    capacity = sampling.ROW_CANDIDATES if not split else sampling.SPLIT_CANDIDATES
+    logits = llm_like_logits(rng, rows, vocab)
+    params = sampling_tensors(
+        rng, rows, temperature=np.array([1, 1, 1, 1, 0.8, 0.8, 1.3, 2.0], np.float32),
+        top_k=np.array([capacity - 1, capacity, capacity + 1, 3 * capacity, 0, 0, 0, 0], np.int32),
+        top_p=np.array([1, 1, 1, 0.9, 0.9, 0.3, 0.95, 0.5], np.float32))
+    for _ in range(2):
+        params.steps = params.steps + 1
+        got, expected = sample_both(gpu, logits, params, split)
+        np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+
+
+@pytest.mark.parametrize("rows", [64, 160])
+def test_large_batches_match_the_reference(gpu, rows):
+    """The benchmark's large-batch shapes (one block per row): every mode of
+    tools/bench_sampling.py, penalties over a prompt with repeated ids included."""
+    rng = np.random.default_rng(rows)
+    vocab = 151936
+    assert sampling.device_split_plan(rows, vocab) is None
+    logits = llm_like_logits(rng, rows, vocab)
+    prompt = rng.integers(0, vocab, size=(rows, 300)).astype(np.int32)
+    prompt[:, :20] = np.argsort(-logits, axis=1)[:, :20]  # penalise ids that would otherwise win, twice
+    prompt[:, 20:40] = prompt[:, :20]
+    params = sampling_tensors(
+        rng, rows, temperature=pick(rng, [0.0, 0.8, 0.8, 1.0], rows, np.float32),
+        top_k=pick(rng, [0, 0, 50], rows, np.int32), top_p=pick(rng, [1.0, 0.9, 0.9], rows, np.float32),
+        min_p=pick(rng, [0.0, 0.05], rows, np.float32), repetition_penalty=pick(rng, [1.0, 1.1], rows, np.float32),
+        presence_penalty=pick(rng, [0.0, 0.3], rows, np.float32), prompt_token_ids=prompt,
+        output_token_ids=prompt[:, :64].copy())
+    got, expected = sample_both(gpu, logits, params)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
 
 
 def test_all_banned_row_draws_id_zero_like_the_reference(gpu):

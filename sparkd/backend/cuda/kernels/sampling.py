@@ -5,8 +5,10 @@ candidates tie to within float rounding.
 Two kernels: small batches spread each row over many blocks
 (cukernels/sampling_split.cu, planned by `plan_split`), so that one row still
 uses the whole GPU; batches that fill it run one block per row
-(cukernels/sampling.cu). Logprobs after a split draw come from a second,
-one-block-per-row launch.
+(cukernels/sampling.cu). Both draw top-k / top-p rows from a short sorted list
+of candidates (cukernels/sampling_candidates.cuh) when it fits in shared memory
+(ROW_CANDIDATES, SPLIT_CANDIDATES), else by radix descents over the whole row.
+Logprobs after a split draw come from a second, one-block-per-row launch.
 
 For CudaOps:
   sample_async(logits, params, staging, downloads, allocator, stream) -> SampledTokens
@@ -45,6 +47,9 @@ _THREADS = 1024  # kThreads in sampling.cu
 _SPLIT_THREADS = 256  # kSplitThreads in sampling_split.cu
 MAX_TOP_LOGPROBS = 64  # kMaxTop in sampling.cu
 MAX_SPLIT_ROWS = 64  # kMaxSplitRows in sampling_split.cu
+ROW_CANDIDATES = 4096  # kRowCandidates in sampling.cu
+SPLIT_CANDIDATES = 4096  # kSplitCandidates in sampling_split.cu
+MAX_VOCAB = 1 << 20  # fixed-point row masses (kMassScale in sampling_common.cuh) stay below 2^64
 # Ids per block of a split row: at least MIN_CHUNK (two per thread, or the barriers
 # cost more than the blocks save), at most MAX_CHUNK (the chunk sits in shared memory).
 MIN_CHUNK, MAX_CHUNK = 512, 4096
@@ -79,8 +84,19 @@ def plan_split(num_rows: int, vocab_size: int, num_sms: int, resident_blocks: in
 def _resident_split_blocks() -> int:
     """Blocks of sample_split_kernel the device holds at once, at the largest chunk."""
     function = get_kernel(_SPLIT_SPEC).function
-    per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function, _SPLIT_THREADS, 4 * MAX_CHUNK)
+    per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function, _SPLIT_THREADS,
+                  _split_shared_bytes(MAX_CHUNK))
     return current_device().sm_count * per_sm
+
+
+def _split_shared_bytes(chunk: int) -> int:
+    """sample_split_kernel's dynamic shared memory: the chunk's values or the row's candidates."""
+    return max(4 * chunk, 8 * SPLIT_CANDIDATES)
+
+
+def _row_shared_bytes(vocab_size: int) -> int:
+    """sample_kernel's dynamic shared memory: the candidates and the bitmap of penalised ids."""
+    return 8 * ROW_CANDIDATES + 4 * math.ceil(vocab_size / 32)
 
 
 def device_split_plan(num_rows: int, vocab_size: int) -> SplitPlan | None:
@@ -209,13 +225,14 @@ def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInp
     """Enqueue the sampling of logits [B, V] float32 (raw): split rows when
     `device_split_plan` says so (and `split`), else one block per row.
 
-    workspace: [B, V] float32 scratch for the penalised rows of the one-block-per-row
+    workspace: [B, V] float32 scratch for the penalised ids of the one-block-per-row
     kernel; may be None when `inputs.needs_workspace` is false or the launch splits
     (`needs_row_workspace`). Capturable: no host sync, no allocation."""
     require(logits.ndim == 2, f"logits must be [B, V], got shape {logits.shape}")
     require_dtype("logits", logits, DType.float32)
     require_contiguous("logits", logits)
     num_rows, vocab_size = logits.shape
+    require(vocab_size <= MAX_VOCAB, f"logits must have at most {MAX_VOCAB} columns, got {vocab_size}")
     require(inputs.num_rows == num_rows, f"sampling inputs have {inputs.num_rows} rows, logits {num_rows}")
     require(out.token_ids.shape == (num_rows,), f"outputs are for {out.token_ids.shape[0]} rows, logits have {num_rows}")
     require(out.num_top <= min(vocab_size, MAX_TOP_LOGPROBS), f"num_top {out.num_top} exceeds min(V, {MAX_TOP_LOGPROBS})")
@@ -229,8 +246,8 @@ def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInp
         _launch_row_per_block(out, logits, inputs, workspace, stream)
         return
     args = [out.token_ids, logits, i32(vocab_size), i32(plan.chunk), *_parameter_args(inputs)]
-    get_kernel(_SPLIT_SPEC).launch((plan.splits, num_rows), _SPLIT_THREADS, args, shared_mem=4 * plan.chunk,
-                                   stream=stream)
+    get_kernel(_SPLIT_SPEC).launch((plan.splits, num_rows), _SPLIT_THREADS, args,
+                                   shared_mem=_split_shared_bytes(plan.chunk), stream=stream)
     if out.num_top >= 0:
         get_kernel(_LOGPROBS_SPEC).launch(
             num_rows, _THREADS, [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, logits,
@@ -261,7 +278,8 @@ def _launch_row_per_block(out: SamplerBuffers, logits: DeviceTensor, inputs: Sam
     args = [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs,
             workspace if workspace is not None else np.uint64(0), logits, i32(logits.shape[1]),
             *_parameter_args(inputs), i32(out.num_top)]
-    get_kernel(_ROW_SPEC).launch(logits.shape[0], _THREADS, args, stream=stream)
+    get_kernel(_ROW_SPEC).launch(logits.shape[0], _THREADS, args, shared_mem=_row_shared_bytes(logits.shape[1]),
+                                 stream=stream)
 
 
 def sample_async(logits: DeviceTensor, params: SamplingTensors, staging: StagingRing, downloads: DownloadRing,
