@@ -66,34 +66,47 @@ struct RowValues {
   }
 };
 
-// Writes the processed logit of every id in the row's lists (prompt, output,
-// banned; -1 padded, other out-of-range ids ignored) into work[id] and sets
-// its bit in marked (ceil(V / 32) words, shared). work[id] first holds the
-// id's marks (tally_marks's bits); the thread that sets the id's bit converts
-// them. Every thread of the block calls it.
+// The in-range ids of a row's three lists (prompt, output, banned; -1 padded, other
+// out-of-range ids ignored), visited strided over the block's threads. (A struct with a
+// template member, not a generic lambda: NVRTC 13.0's JIT mode rejects those.)
+struct ListedIds {
+  const int *prompt, *output, *banned;
+  int prompt_len, output_len, banned_len, vocab;
+
+  template <typename Visit>
+  __device__ __forceinline__ void visit_list(const int* ids, int len, int bit, Visit& visit) const {
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+      if (ids[j] >= 0 && ids[j] < vocab) visit(ids[j], bit);
+    }
+  }
+
+  // visit(id, bit): bit says the list (kInPrompt, kOutputCount or kBanned).
+  template <typename Visit>
+  __device__ __forceinline__ void for_each(Visit visit) const {
+    visit_list(prompt, prompt_len, kInPrompt, visit);
+    visit_list(output, output_len, kOutputCount, visit);
+    visit_list(banned, banned_len, kBanned, visit);
+  }
+};
+
+// Writes the processed logit of every id in the row's lists into work[id] and sets
+// its bit in marked (ceil(V / 32) words, shared). work[id] first holds the id's marks
+// (tally_marks's bits); the thread that sets the id's bit converts them. Every thread
+// of the block calls it.
 __device__ void process_listed_ids(float* work, unsigned* marked, const float* raw, int vocab,
                                    const Penalties& penalties, const int* prompt_ids, int prompt_len,
                                    const int* output_ids, int output_len, const int* banned_ids, int banned_len) {
   int* marks = reinterpret_cast<int*>(work);
-  const auto for_each_listed = [&](auto visit) {
-    const auto visit_list = [&](const int* ids, int len, int bit) {
-      for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        if (ids[j] >= 0 && ids[j] < vocab) visit(ids[j], bit);
-      }
-    };
-    visit_list(prompt_ids, prompt_len, kInPrompt);
-    visit_list(output_ids, output_len, kOutputCount);
-    visit_list(banned_ids, banned_len, kBanned);
-  };
+  const ListedIds listed{prompt_ids, output_ids, banned_ids, prompt_len, output_len, banned_len, vocab};
   for (int w = threadIdx.x; w < (vocab + 31) / 32; w += blockDim.x) marked[w] = 0u;
-  for_each_listed([&](int id, int) { marks[id] = 0; });
+  listed.for_each([&](int id, int) { marks[id] = 0; });
   __syncthreads();
-  for_each_listed([&](int id, int bit) {
+  listed.for_each([&](int id, int bit) {
     if (bit == kOutputCount) atomicAdd(&marks[id], kOutputCount);
     else atomicOr(&marks[id], bit);
   });
   __syncthreads();
-  for_each_listed([&](int id, int) {
+  listed.for_each([&](int id, int) {
     const unsigned bit = 1u << (id & 31);
     if (atomicOr(&marked[id >> 5], bit) & bit) return;  // another occurrence converts it
     work[id] = penalized(raw[id], marks[id], penalties);

@@ -135,3 +135,18 @@ def test_dim3():
     assert dim3(5) == (5, 1, 1) and dim3((2, 3)) == (2, 3, 1) and dim3([1, 2, 3]) == (1, 2, 3)
     with pytest.raises(ValueError):
         dim3((0, 1))
+
+
+def test_no_generic_lambdas_in_kernel_sources():
+    """NVRTC 13.0 (the lent H200's) treats a generic lambda in device code as a host
+    function and rejects it in JIT mode, while newer NVRTCs accept it: a kernel that
+    builds here can fail there. Use a struct with a template member instead."""
+    import re
+    from pathlib import Path
+
+    sources = sorted(Path(__file__).resolve().parents[1].joinpath("cukernels").glob("*.cu*"))
+    assert sources
+    generic = re.compile(r"\]\s*\([^)]*\bauto\b")
+    offenders = [f"{path.name}:{number}: {line.strip()}" for path in sources
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if generic.search(line)]
+    assert not offenders, "generic lambdas in kernel sources:\n" + "\n".join(offenders)
