@@ -49,7 +49,11 @@ class Kernel:
     def __init__(self, name: str, function: driver.CUfunction):
         self.name = name
         self.function = function
-        self._dynamic_shared_limit = _DEFAULT_DYNAMIC_SHARED
+        # Without the opt-in attribute a block may have 48 KB of shared memory in all,
+        # static included: a kernel with static shared memory opts in below 48 KB of dynamic.
+        static = call(driver.cuFuncGetAttribute, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                      function)
+        self._dynamic_shared_limit = max(0, _DEFAULT_DYNAMIC_SHARED - static)
 
     def launch(self, grid, block, args: Sequence, shared_mem: int = 0, stream: Stream | None = None) -> None:
         """stream None is the legacy default stream; the engine always passes its own."""
