@@ -58,15 +58,20 @@ class Kernel:
     def launch(self, grid, block, args: Sequence, shared_mem: int = 0, stream: Stream | None = None) -> None:
         """stream None is the legacy default stream; the engine always passes its own."""
         ensure_context()
-        if shared_mem > self._dynamic_shared_limit:
-            call(driver.cuFuncSetAttribute, self.function,
-                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
-            self._dynamic_shared_limit = shared_mem
+        self.allow_dynamic_shared(shared_mem)
         slots, pointers = pack_args(args)  # the driver copies the values during the call
         handle = stream.handle if stream is not None else driver.CUstream(0)
         check(driver.cuLaunchKernel(self.function, *dim3(grid), *dim3(block), shared_mem, handle,
                                     pointers.ctypes.data if len(slots) else 0, 0),
               f"launch of {self.name}")
+
+    def allow_dynamic_shared(self, nbytes: int) -> None:
+        """Opt the function in to `nbytes` of dynamic shared memory where that needs it: before
+        a launch, and before an occupancy query (which counts 0 blocks for a size not opted in)."""
+        if nbytes > self._dynamic_shared_limit:
+            call(driver.cuFuncSetAttribute, self.function,
+                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+            self._dynamic_shared_limit = nbytes
 
     def __repr__(self) -> str:
         return f"Kernel({self.name})"

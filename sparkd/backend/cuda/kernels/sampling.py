@@ -83,9 +83,9 @@ def plan_split(num_rows: int, vocab_size: int, num_sms: int, resident_blocks: in
 @functools.cache
 def _resident_split_blocks() -> int:
     """Blocks of sample_split_kernel the device holds at once, at the largest chunk."""
-    function = get_kernel(_SPLIT_SPEC).function
-    per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function, _SPLIT_THREADS,
-                  _split_shared_bytes(MAX_CHUNK))
+    kernel, shared = get_kernel(_SPLIT_SPEC), _split_shared_bytes(MAX_CHUNK)
+    kernel.allow_dynamic_shared(shared)
+    per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, kernel.function, _SPLIT_THREADS, shared)
     return current_device().sm_count * per_sm
 
 
