@@ -28,7 +28,7 @@ constexpr int kSlots = kMaxExperts / 32;  // experts per lane in the routing war
 constexpr int kRouteWarps = 4;            // tokens per routing block
 constexpr int kRankWarps = 8;             // warps that rank pairs, a pair per thread per round
 constexpr int kRankThreads = 32 * kRankWarps;
-constexpr int kMaxFusedTokens = 64;       // moe_route_align_kernel's limit
+constexpr int kMaxFusedTokens = 16;       // moe_route_align_kernel's limit: one token per routing warp
 constexpr int kFusedThreads = 512;        // 16 routing warps; the first kRankWarps then rank
 constexpr int kCombineBatch = 8;          // rows a combine thread loads before it adds
 
