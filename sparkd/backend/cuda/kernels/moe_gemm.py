@@ -18,6 +18,7 @@ graph-capturable, and their results are deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -111,20 +112,9 @@ def moe_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, so
     """hidden[row] = silu_and_mul(gate_up[e] @ x[sorted_pairs[row] // top_k]) for every sorted row of every
     active expert e. x [T, H] (rows may be spaced), gate_up [E, 2I, H] = [gate | up] per expert,
     hidden [P = T*top_k, I] in x's dtype; fp32 accumulation. launch_plan: None for `plan`'s choice."""
-    require(x.ndim == 2 and x.strides[1] == 1, f"x must be [T, H] with unit column stride, got {x}")
-    require_dtype("x", x, *ELEMENT_TYPES)
-    require(gate_up.ndim == 3 and gate_up.shape[1] % 2 == 0, f"gate_up must be [E, 2I, H], got shape {gate_up.shape}")
-    num_tokens, hidden_size = x.shape
-    num_experts, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
-    require(top_k >= 1, f"top_k must be at least 1, got {top_k}")
-    num_pairs = num_tokens * top_k
-    require(gate_up.shape[2] == hidden_size,
-            f"gate_up's last dim must be x's hidden size {hidden_size}, got shape {gate_up.shape}")
-    _require_weights("gate_up", gate_up, x.dtype)
-    _require_rows("hidden", hidden, (num_pairs, inter_size), x.dtype)
+    shapes = check_gate_up_operands(hidden, x, gate_up, top_k, ELEMENT_TYPES)
+    num_pairs, num_experts, hidden_size, inter_size = shapes
     _require_routing(sorted_pairs, offsets, active_experts, num_active, num_pairs, num_experts)
-    _require_chunks(x.dtype, {"H": hidden_size, "I": inter_size, "x's row stride": _row_stride(x)})
-    _require_aligned(x=x, gate_up=gate_up)
     if num_pairs == 0 or inter_size == 0:
         return
     num_tiles = gate_up_tiles(inter_size)
@@ -132,7 +122,7 @@ def moe_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, so
                                       current_device().sm_count)
     kernel = get_kernel(KernelSpec(_SOURCE, f"moe_gate_up_kernel<{x.dtype.c_type}, {launch_plan.rows_per_pass}>"))
     args = [hidden, x, gate_up, sorted_pairs, offsets, active_experts, num_active, i32(top_k), i32(hidden_size),
-            i32(inter_size), np.int64(_row_stride(x)), i32(launch_plan.k_split)]
+            i32(inter_size), np.int64(row_stride(x)), i32(launch_plan.k_split)]
     kernel.launch(_grid(num_tiles, num_experts, num_pairs, launch_plan), 32 * _WARPS_PER_BLOCK, args, stream=stream)
 
 
@@ -142,19 +132,8 @@ def moe_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor,
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every active expert e.
     hidden [P, I], down [E, H, I] in hidden's dtype, expert_out [P, H] float32; fp32 accumulation.
     launch_plan: None for `plan`'s choice."""
-    require(hidden.ndim == 2, f"hidden must be [P, I], got shape {hidden.shape}")
-    require(down.ndim == 3, f"down must be [E, H, I], got shape {down.shape}")
-    num_pairs, inter_size = hidden.shape
-    num_experts, hidden_size = down.shape[:2]
-    require(down.shape[2] == inter_size,
-            f"down's last dim must be hidden's intermediate size {inter_size}, got shape {down.shape}")
-    require_dtype("hidden", hidden, *ELEMENT_TYPES)
-    require_contiguous("hidden", hidden)
-    _require_weights("down", down, hidden.dtype)
-    _require_rows("expert_out", expert_out, (num_pairs, hidden_size), DType.float32)
+    num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, ELEMENT_TYPES)
     _require_routing(None, offsets, active_experts, num_active, num_pairs, num_experts)
-    _require_chunks(hidden.dtype, {"H": hidden_size, "I": inter_size})
-    _require_aligned(hidden=hidden, down=down)
     if num_pairs == 0 or hidden_size == 0:
         return
     num_tiles = down_tiles(hidden_size)
@@ -174,7 +153,55 @@ def _grid(num_tiles: int, num_experts: int, num_pairs: int, launch_plan: ExpertG
 
 # ---- preconditions ----
 
-def _row_stride(x: DeviceTensor) -> int:
+class ExpertShapes(NamedTuple):
+    num_pairs: int  # P = T * k
+    num_experts: int  # E
+    hidden_size: int  # H
+    inter_size: int  # I
+
+
+def check_gate_up_operands(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, top_k: int,
+                           dtypes: tuple[DType, ...]) -> ExpertShapes:
+    """The operand rules of every gate_up kernel (this one and moe_grouped_gemm's): x [T, H] in one
+    of `dtypes` with unit column stride, gate_up [E, 2I, H] and hidden [T*top_k, I] in x's dtype,
+    contiguous, H, I and x's row stride whole 16-byte chunks, 16-byte aligned."""
+    require(x.ndim == 2 and x.strides[1] == 1, f"x must be [T, H] with unit column stride, got {x}")
+    require_dtype("x", x, *dtypes)
+    require(gate_up.ndim == 3 and gate_up.shape[1] % 2 == 0, f"gate_up must be [E, 2I, H], got shape {gate_up.shape}")
+    num_tokens, hidden_size = x.shape
+    num_experts, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
+    require(top_k >= 1, f"top_k must be at least 1, got {top_k}")
+    num_pairs = num_tokens * top_k
+    require(gate_up.shape[2] == hidden_size,
+            f"gate_up's last dim must be x's hidden size {hidden_size}, got shape {gate_up.shape}")
+    _require_weights("gate_up", gate_up, x.dtype)
+    _require_rows("hidden", hidden, (num_pairs, inter_size), x.dtype)
+    _require_chunks(x.dtype, {"H": hidden_size, "I": inter_size, "x's row stride": row_stride(x)})
+    _require_aligned(x=x, gate_up=gate_up, hidden=hidden)
+    return ExpertShapes(num_pairs, num_experts, hidden_size, inter_size)
+
+
+def check_down_operands(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor,
+                        dtypes: tuple[DType, ...]) -> ExpertShapes:
+    """The operand rules of every down kernel: hidden [P, I] in one of `dtypes`, down [E, H, I]
+    in its dtype, expert_out [P, H] float32, all contiguous, H and I whole 16-byte chunks,
+    16-byte aligned."""
+    require(hidden.ndim == 2, f"hidden must be [P, I], got shape {hidden.shape}")
+    require(down.ndim == 3, f"down must be [E, H, I], got shape {down.shape}")
+    num_pairs, inter_size = hidden.shape
+    num_experts, hidden_size = down.shape[:2]
+    require(down.shape[2] == inter_size,
+            f"down's last dim must be hidden's intermediate size {inter_size}, got shape {down.shape}")
+    require_dtype("hidden", hidden, *dtypes)
+    require_contiguous("hidden", hidden)
+    _require_weights("down", down, hidden.dtype)
+    _require_rows("expert_out", expert_out, (num_pairs, hidden_size), DType.float32)
+    _require_chunks(hidden.dtype, {"H": hidden_size, "I": inter_size})
+    _require_aligned(hidden=hidden, down=down, expert_out=expert_out)
+    return ExpertShapes(num_pairs, num_experts, hidden_size, inter_size)
+
+
+def row_stride(x: DeviceTensor) -> int:
     """Elements between x's rows; a single row has none to honour."""
     return x.row_stride if x.shape[0] > 1 else x.shape[1]
 

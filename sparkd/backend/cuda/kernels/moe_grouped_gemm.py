@@ -24,14 +24,8 @@ from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream, current_device
 from ..tensor import DeviceTensor
-from . import i32, require, require_contiguous, require_dtype
-from .moe_gemm import (
-    _require_aligned,
-    _require_chunks,
-    _require_rows,
-    _require_weights,
-    _row_stride,
-)
+from . import i32, require, require_contiguous
+from .moe_gemm import check_down_operands, check_gate_up_operands, row_stride
 from .moe_routing import MAX_EXPERTS
 
 _SOURCE = "moe_grouped_gemm.cu"
@@ -104,27 +98,15 @@ def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTe
     expert e that has rows. x [T, H] (rows may be spaced), gate_up [E, 2I, H] = [gate | up] per expert,
     hidden [P = T*top_k, I] in x's dtype (bf16/fp16); tile_starts from `plan_tiles`; fp32 accumulation.
     stages: the pipeline depth, one of STAGES; by default the deepest this device allows."""
-    require(x.ndim == 2 and x.strides[1] == 1, f"x must be [T, H] with unit column stride, got {x}")
-    require_dtype("x", x, *DTYPES)
-    require(gate_up.ndim == 3 and gate_up.shape[1] % 2 == 0, f"gate_up must be [E, 2I, H], got shape {gate_up.shape}")
-    num_tokens, hidden_size = x.shape
-    num_experts, inter_size = gate_up.shape[0], gate_up.shape[1] // 2
-    require(top_k >= 1, f"top_k must be at least 1, got {top_k}")
     _require_stages(stages)
-    num_pairs = num_tokens * top_k
-    require(gate_up.shape[2] == hidden_size,
-            f"gate_up's last dim must be x's hidden size {hidden_size}, got shape {gate_up.shape}")
-    _require_weights("gate_up", gate_up, x.dtype)
-    _require_rows("hidden", hidden, (num_pairs, inter_size), x.dtype)
+    num_pairs, num_experts, hidden_size, inter_size = check_gate_up_operands(hidden, x, gate_up, top_k, DTYPES)
     weight_tiles = -(-inter_size // _GATE_UP_COLS)
     _require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
-    _require_chunks(x.dtype, {"H": hidden_size, "I": inter_size, "x's row stride": _row_stride(x)})
-    _require_aligned(x=x, gate_up=gate_up, hidden=hidden)
     if num_pairs == 0 or inter_size == 0:
         return
     num_slots = max_m_tiles(num_pairs, num_experts)
     args = [hidden, x, gate_up, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(num_slots), i32(top_k),
-            i32(hidden_size), i32(inter_size), np.int64(_row_stride(x))]
+            i32(hidden_size), i32(inter_size), np.int64(row_stride(x))]
     _launch("moe_grouped_gate_up_kernel", x.dtype, num_slots * weight_tiles, args, stages, stream)
 
 
@@ -133,21 +115,10 @@ def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: Devic
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every expert e that has rows.
     hidden [P, I] (bf16/fp16), down [E, H, I] in hidden's dtype, expert_out [P, H] float32;
     tile_starts from `plan_tiles`; fp32 accumulation. stages: as for moe_grouped_gate_up."""
-    require(hidden.ndim == 2, f"hidden must be [P, I], got shape {hidden.shape}")
-    require(down.ndim == 3, f"down must be [E, H, I], got shape {down.shape}")
-    num_pairs, inter_size = hidden.shape
-    num_experts, hidden_size = down.shape[:2]
-    require(down.shape[2] == inter_size,
-            f"down's last dim must be hidden's intermediate size {inter_size}, got shape {down.shape}")
-    require_dtype("hidden", hidden, *DTYPES)
-    require_contiguous("hidden", hidden)
     _require_stages(stages)
-    _require_weights("down", down, hidden.dtype)
-    _require_rows("expert_out", expert_out, (num_pairs, hidden_size), DType.float32)
+    num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, DTYPES)
     weight_tiles = -(-hidden_size // _TILE_N)
     _require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
-    _require_chunks(hidden.dtype, {"H": hidden_size, "I": inter_size})
-    _require_aligned(hidden=hidden, down=down, expert_out=expert_out)
     if num_pairs == 0 or hidden_size == 0:
         return
     num_slots = max_m_tiles(num_pairs, num_experts)
