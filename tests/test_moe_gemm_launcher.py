@@ -8,31 +8,27 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
+from device_fakes import fake_tensor
+
 from sparkd.backend.cuda.kernels import moe_gemm
-from sparkd.backend.cuda.tensor import DeviceTensor
-from sparkd.backend.dtypes import DType
 
 T, K, E, H, I = 3, 2, 8, 64, 32  # P = 6 pairs
 
 
-def _fake(shape, dtype="bfloat16", ptr=0x10000, strides=None):
-    return DeviceTensor(ptr, shape, DType.parse(dtype), strides)
-
-
 def _routing(num_pairs=T * K, num_experts=E):
     """sorted_pairs, offsets, active_experts, num_active."""
-    return [_fake((num_pairs,), "int32"), _fake((num_experts + 1,), "int32"),
-            _fake((min(num_experts, num_pairs),), "int32"), _fake((1,), "int32")]
+    return [fake_tensor((num_pairs,), "int32"), fake_tensor((num_experts + 1,), "int32"),
+            fake_tensor((min(num_experts, num_pairs),), "int32"), fake_tensor((1,), "int32")]
 
 
 def _gate_up(hidden=None, x=None, gate_up=None, routing=None, top_k=K):
-    moe_gemm.moe_gate_up(hidden or _fake((T * K, I)), x or _fake((T, H)), gate_up or _fake((E, 2 * I, H)),
+    moe_gemm.moe_gate_up(hidden or fake_tensor((T * K, I)), x or fake_tensor((T, H)), gate_up or fake_tensor((E, 2 * I, H)),
                          *(routing or _routing()), top_k, None)
 
 
 def _down(expert_out=None, hidden=None, down=None, routing=None):
-    moe_gemm.moe_down(expert_out or _fake((T * K, H), "float32"), hidden or _fake((T * K, I)),
-                      down or _fake((E, H, I)), *(routing or _routing())[1:], None)
+    moe_gemm.moe_down(expert_out or fake_tensor((T * K, H), "float32"), hidden or fake_tensor((T * K, I)),
+                      down or fake_tensor((E, H, I)), *(routing or _routing())[1:], None)
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,tile", [
@@ -60,56 +56,56 @@ def test_every_kernel_and_tile_is_registered():
 
 def test_k_must_be_whole_16_byte_chunks():
     with pytest.raises(ValueError, match=r"H \(60\) must be a multiple of 8 for bfloat16"):
-        _gate_up(x=_fake((T, 60)), gate_up=_fake((E, 2 * I, 60)))
+        _gate_up(x=fake_tensor((T, 60)), gate_up=fake_tensor((E, 2 * I, 60)))
     with pytest.raises(ValueError, match=r"I \(30\) must be a multiple of 8 for bfloat16"):
-        _gate_up(hidden=_fake((T * K, 30)), gate_up=_fake((E, 60, H)))
+        _gate_up(hidden=fake_tensor((T * K, 30)), gate_up=fake_tensor((E, 60, H)))
     with pytest.raises(ValueError, match=r"I \(6\) must be a multiple of 4 for float32"):
-        _down(hidden=_fake((T * K, 6), "float32"), down=_fake((E, H, 6), "float32"))
+        _down(hidden=fake_tensor((T * K, 6), "float32"), down=fake_tensor((E, H, 6), "float32"))
     with pytest.raises(ValueError, match=r"x's row stride \(68\) must be a multiple of 8"):
-        _gate_up(x=_fake((T, H), strides=(68, 1)))
+        _gate_up(x=fake_tensor((T, H), strides=(68, 1)))
 
 
 def test_one_token_needs_no_row_stride():
     with pytest.raises(ValueError, match="needs gate_up 16-byte aligned"):  # past the stride check, stopped after
-        _gate_up(hidden=_fake((K, I)), x=_fake((1, H), strides=(68, 1)), gate_up=_fake((E, 2 * I, H), ptr=0x10008),
+        _gate_up(hidden=fake_tensor((K, I)), x=fake_tensor((1, H), strides=(68, 1)), gate_up=fake_tensor((E, 2 * I, H), ptr=0x10008),
                  routing=_routing(K))
 
 
 def test_operands_must_be_16_byte_aligned():
     with pytest.raises(ValueError, match="needs x 16-byte aligned, got 0x10008"):
-        _gate_up(x=_fake((T, H), ptr=0x10008))
+        _gate_up(x=fake_tensor((T, H), ptr=0x10008))
     with pytest.raises(ValueError, match="needs down 16-byte aligned"):
-        _down(down=_fake((E, H, I), ptr=0x10004))
+        _down(down=fake_tensor((E, H, I), ptr=0x10004))
 
 
 def test_shapes_and_dtypes_must_agree():
     with pytest.raises(ValueError, match=r"gate_up must be \[E, 2I, H\]"):
-        _gate_up(gate_up=_fake((E, 2 * I)))
+        _gate_up(gate_up=fake_tensor((E, 2 * I)))
     with pytest.raises(ValueError, match="gate_up's last dim must be x's hidden size 64"):
-        _gate_up(gate_up=_fake((E, 2 * I, 72)))
+        _gate_up(gate_up=fake_tensor((E, 2 * I, 72)))
     with pytest.raises(ValueError, match="gate_up must be bfloat16 like the activations, got float16"):
-        _gate_up(gate_up=_fake((E, 2 * I, H), "float16"))
+        _gate_up(gate_up=fake_tensor((E, 2 * I, H), "float16"))
     with pytest.raises(ValueError, match=r"hidden must be \[6, 32\] bfloat16, got \[6, 32\] float32"):
-        _gate_up(hidden=_fake((T * K, I), "float32"))
+        _gate_up(hidden=fake_tensor((T * K, I), "float32"))
     with pytest.raises(ValueError, match="x must be float32 or float16 or bfloat16, got int32"):
-        _gate_up(x=_fake((T, H), "int32"))
+        _gate_up(x=fake_tensor((T, H), "int32"))
     with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
         _gate_up(top_k=0)
     with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float32, got \[6, 64\] bfloat16"):
-        _down(expert_out=_fake((T * K, H)))
+        _down(expert_out=fake_tensor((T * K, H)))
     with pytest.raises(ValueError, match="down's last dim must be hidden's intermediate size 32"):
-        _down(down=_fake((E, H, 40)))
+        _down(down=fake_tensor((E, H, 40)))
     with pytest.raises(ValueError, match="down must be contiguous"):
-        _down(down=_fake((E, H, I), strides=(H * I * 2, I, 1)))
+        _down(down=fake_tensor((E, H, I), strides=(H * I * 2, I, 1)))
 
 
 def test_routing_tensors_must_fit_pairs_and_experts():
     sorted_pairs, offsets, active, num_active = _routing()
     with pytest.raises(ValueError, match=r"sorted_pairs must be \[6\] int32, got \[5\] int32"):
-        _gate_up(routing=[_fake((5,), "int32"), offsets, active, num_active])
+        _gate_up(routing=[fake_tensor((5,), "int32"), offsets, active, num_active])
     with pytest.raises(ValueError, match=r"offsets must be \[9\] int32, got \[9\] int64"):
-        _down(routing=[sorted_pairs, _fake((E + 1,), "int64"), active, num_active])
+        _down(routing=[sorted_pairs, fake_tensor((E + 1,), "int64"), active, num_active])
     with pytest.raises(ValueError, match=r"active_experts must be \[6\] int32"):
-        _down(routing=[sorted_pairs, offsets, _fake((E,), "int32"), num_active])
+        _down(routing=[sorted_pairs, offsets, fake_tensor((E,), "int32"), num_active])
     with pytest.raises(ValueError, match=r"num_active must be \[1\] int32"):
-        _gate_up(routing=[sorted_pairs, offsets, active, _fake((2,), "int32")])
+        _gate_up(routing=[sorted_pairs, offsets, active, fake_tensor((2,), "int32")])

@@ -9,30 +9,27 @@ import pytest
 
 pytest.importorskip("cuda.bindings")
 
+from device_fakes import fake_tensor
+
 from sparkd.backend.cuda.kernels import moe_grouped_gemm as grouped
-from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 T, K, E, H, I = 3, 2, 8, 64, 32  # P = 6 pairs
 
 
-def _fake(shape, dtype="bfloat16", ptr=0x10000, strides=None):
-    return DeviceTensor(ptr, shape, DType.parse(dtype), strides)
-
-
 def _plan(num_pairs=T * K, num_experts=E):
     """sorted_pairs, offsets, tile_starts."""
-    return [_fake((num_pairs,), "int32"), _fake((num_experts + 1,), "int32"), _fake((num_experts + 1,), "int32")]
+    return [fake_tensor((num_pairs,), "int32"), fake_tensor((num_experts + 1,), "int32"), fake_tensor((num_experts + 1,), "int32")]
 
 
 def _gate_up(hidden=None, x=None, gate_up=None, plan=None, top_k=K):
-    grouped.moe_grouped_gate_up(hidden or _fake((T * K, I)), x or _fake((T, H)), gate_up or _fake((E, 2 * I, H)),
+    grouped.moe_grouped_gate_up(hidden or fake_tensor((T * K, I)), x or fake_tensor((T, H)), gate_up or fake_tensor((E, 2 * I, H)),
                                 *(plan or _plan()), top_k, None)
 
 
 def _down(expert_out=None, hidden=None, down=None, plan=None):
-    grouped.moe_grouped_down(expert_out or _fake((T * K, H), "float32"), hidden or _fake((T * K, I)),
-                             down or _fake((E, H, I)), *(plan or _plan())[1:], None)
+    grouped.moe_grouped_down(expert_out or fake_tensor((T * K, H), "float32"), hidden or fake_tensor((T * K, I)),
+                             down or fake_tensor((E, H, I)), *(plan or _plan())[1:], None)
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,dtype,expected", [
@@ -68,7 +65,7 @@ def test_the_pipeline_is_as_deep_as_the_devices_shared_memory_allows():
     with pytest.raises(ValueError, match="need 98304 bytes of shared memory per block, this device allows 65536"):
         grouped.pipeline_stages(65536)
     with pytest.raises(ValueError, match=r"stages must be one of \(4, 2\) or None, got 3"):
-        grouped.moe_grouped_down(_fake((T * K, H), "float32"), _fake((T * K, I)), _fake((E, H, I)), *_plan()[1:],
+        grouped.moe_grouped_down(fake_tensor((T * K, H), "float32"), fake_tensor((T * K, I)), fake_tensor((E, H, I)), *_plan()[1:],
                                  None, stages=3)
 
 
@@ -83,47 +80,47 @@ def test_every_kernel_is_registered_for_the_half_types():
 
 def test_fp32_stays_on_moe_gemm():
     with pytest.raises(ValueError, match="x must be float16 or bfloat16, got float32"):
-        _gate_up(hidden=_fake((T * K, I), "float32"), x=_fake((T, H), "float32"),
-                 gate_up=_fake((E, 2 * I, H), "float32"))
+        _gate_up(hidden=fake_tensor((T * K, I), "float32"), x=fake_tensor((T, H), "float32"),
+                 gate_up=fake_tensor((E, 2 * I, H), "float32"))
     with pytest.raises(ValueError, match="hidden must be float16 or bfloat16, got float32"):
-        _down(hidden=_fake((T * K, I), "float32"), down=_fake((E, H, I), "float32"))
+        _down(hidden=fake_tensor((T * K, I), "float32"), down=fake_tensor((E, H, I), "float32"))
 
 
 def test_k_must_be_whole_16_byte_chunks_and_operands_aligned():
     with pytest.raises(ValueError, match=r"H \(60\) must be a multiple of 8 for bfloat16"):
-        _gate_up(x=_fake((T, 60)), gate_up=_fake((E, 2 * I, 60)))
+        _gate_up(x=fake_tensor((T, 60)), gate_up=fake_tensor((E, 2 * I, 60)))
     with pytest.raises(ValueError, match=r"I \(30\) must be a multiple of 8 for bfloat16"):
-        _down(hidden=_fake((T * K, 30)), down=_fake((E, H, 30)))
+        _down(hidden=fake_tensor((T * K, 30)), down=fake_tensor((E, H, 30)))
     with pytest.raises(ValueError, match=r"x's row stride \(68\) must be a multiple of 8"):
-        _gate_up(x=_fake((T, H), strides=(68, 1)))
+        _gate_up(x=fake_tensor((T, H), strides=(68, 1)))
     with pytest.raises(ValueError, match="needs hidden 16-byte aligned, got 0x10004"):
-        _gate_up(hidden=_fake((T * K, I), ptr=0x10004))
+        _gate_up(hidden=fake_tensor((T * K, I), ptr=0x10004))
     with pytest.raises(ValueError, match="needs expert_out 16-byte aligned"):
-        _down(expert_out=_fake((T * K, H), "float32", ptr=0x10008))
+        _down(expert_out=fake_tensor((T * K, H), "float32", ptr=0x10008))
 
 
 def test_shapes_and_dtypes_must_agree():
     with pytest.raises(ValueError, match="gate_up's last dim must be x's hidden size 64"):
-        _gate_up(gate_up=_fake((E, 2 * I, 72)))
+        _gate_up(gate_up=fake_tensor((E, 2 * I, 72)))
     with pytest.raises(ValueError, match="gate_up must be bfloat16 like the activations, got float16"):
-        _gate_up(gate_up=_fake((E, 2 * I, H), "float16"))
+        _gate_up(gate_up=fake_tensor((E, 2 * I, H), "float16"))
     with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
         _gate_up(top_k=0)
     with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float32, got \[6, 64\] bfloat16"):
-        _down(expert_out=_fake((T * K, H)))
+        _down(expert_out=fake_tensor((T * K, H)))
     with pytest.raises(ValueError, match="down's last dim must be hidden's intermediate size 32"):
-        _down(down=_fake((E, H, 40)))
+        _down(down=fake_tensor((E, H, 40)))
 
 
 def test_plan_tensors_must_fit_pairs_and_experts():
     sorted_pairs, offsets, tile_starts = _plan()
     with pytest.raises(ValueError, match=r"sorted_pairs must be \[6\] int32, got \[5\] int32"):
-        _gate_up(plan=[_fake((5,), "int32"), offsets, tile_starts])
+        _gate_up(plan=[fake_tensor((5,), "int32"), offsets, tile_starts])
     with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[8\] int32"):
-        _down(plan=[sorted_pairs, offsets, _fake((E,), "int32")])
+        _down(plan=[sorted_pairs, offsets, fake_tensor((E,), "int32")])
     with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[9\] int64"):
-        grouped.plan_tiles(_fake((E + 1,), "int64"), offsets, None)
+        grouped.plan_tiles(fake_tensor((E + 1,), "int64"), offsets, None)
     # 2^30 pairs make 2^23 + 8 M-tile slots; 256 weight tiles of H = 65536 push the grid past 2^31 - 1.
     with pytest.raises(ValueError, match="at most 2147483647 blocks, got 2147485696"):
-        _down(expert_out=_fake((2**30, 65536), "float32"), hidden=_fake((2**30, I)), down=_fake((E, 65536, I)),
+        _down(expert_out=fake_tensor((2**30, 65536), "float32"), hidden=fake_tensor((2**30, I)), down=fake_tensor((E, 65536, I)),
               plan=[None, offsets, tile_starts])

@@ -9,14 +9,16 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
+from device_fakes import fake_tensor
+
 from sparkd.backend.cuda.kernels import moe_routing
 from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
 from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 
-def fake(shape, dtype="float32", ptr=0x10000, strides=None) -> DeviceTensor:
-    return DeviceTensor(ptr, shape, DType.parse(dtype), strides)
+def fake(shape, dtype="float32", **where) -> DeviceTensor:
+    return fake_tensor(shape, dtype, **where)
 
 
 class FakeAllocator:

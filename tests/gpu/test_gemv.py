@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from device_fakes import fake_tensor
 
 from sparkd.backend.cuda import gemm_table
 from sparkd.backend.cuda.gemm_table import (
@@ -22,7 +23,6 @@ from sparkd.backend.cuda.gemm_table import (
     load_table,
 )
 from sparkd.backend.cuda.kernels import gemv
-from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -178,9 +178,6 @@ def test_gemm_falls_back_to_cublaslt_where_gemv_cannot_run(gpu, gemm_with_table,
 
 # ---- preconditions (no launch, no GPU) ----
 
-def _fake(shape, dtype="bfloat16", ptr=0x10000, strides=None):
-    return DeviceTensor(ptr, shape, DType.parse(dtype), strides)
-
 
 @pytest.mark.parametrize("m,tile", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (16, 16)])
 def test_m_runs_on_the_smallest_tile_that_holds_it(m, tile):
@@ -188,26 +185,26 @@ def test_m_runs_on_the_smallest_tile_that_holds_it(m, tile):
 
 
 def test_launcher_rejects_what_gemv_cannot_run():
-    weight = _fake((32, 64), ptr=0x20000)
+    weight = fake_tensor((32, 64), ptr=0x20000)
     with pytest.raises(ValueError, match="1 to 16 rows of x, got M = 17"):
-        gemv.gemv(_fake((17, 32), "float32"), _fake((17, 64)), weight, None, None)
+        gemv.gemv(fake_tensor((17, 32), "float32"), fake_tensor((17, 64)), weight, None, None)
     with pytest.raises(ValueError, match=r"K \(12\) .* multiples of 8 for bfloat16"):
-        gemv.gemv(_fake((2, 32), "float32"), _fake((2, 12)), _fake((32, 12)), None, None)
+        gemv.gemv(fake_tensor((2, 32), "float32"), fake_tensor((2, 12)), fake_tensor((32, 12)), None, None)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        gemv.gemv(_fake((2, 32)), _fake((2, 64), ptr=0x10008), weight, None, None)
+        gemv.gemv(fake_tensor((2, 32)), fake_tensor((2, 64), ptr=0x10008), weight, None, None)
     with pytest.raises(ValueError, match=r"row stride \(68\)"):
-        gemv.gemv(_fake((2, 32)), _fake((2, 64), strides=(68, 1)), weight, None, None)
+        gemv.gemv(fake_tensor((2, 32)), fake_tensor((2, 64), strides=(68, 1)), weight, None, None)
     with pytest.raises(ValueError, match="shapes do not match"):
-        gemv.gemv(_fake((2, 31)), _fake((2, 64)), weight, None, None)
+        gemv.gemv(fake_tensor((2, 31)), fake_tensor((2, 64)), weight, None, None)
     with pytest.raises(ValueError, match="bias must be"):
-        gemv.gemv(_fake((2, 32)), _fake((2, 64)), weight, _fake((32,), "float32"), None)
+        gemv.gemv(fake_tensor((2, 32)), fake_tensor((2, 64)), weight, fake_tensor((32,), "float32"), None)
     with pytest.raises(ValueError, match="output must be bfloat16 or float32"):
-        gemv.gemv(_fake((2, 32), "float16"), _fake((2, 64)), weight, None, None)
+        gemv.gemv(fake_tensor((2, 32), "float16"), fake_tensor((2, 64)), weight, None, None)
 
 
 def test_one_row_of_x_needs_no_row_stride():
     """A single row is read whatever its tensor's row stride says."""
-    assert gemv.unsupported_reason(_fake((1, 64), strides=(68, 1)), _fake((32, 64))) is None
+    assert gemv.unsupported_reason(fake_tensor((1, 64), strides=(68, 1)), fake_tensor((32, 64))) is None
 
 
 # ---- the measured table ----
