@@ -117,13 +117,9 @@ def moe_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, so
     _require_routing(sorted_pairs, offsets, active_experts, num_active, num_pairs, num_experts)
     if num_pairs == 0 or inter_size == 0:
         return
-    num_tiles = gate_up_tiles(inter_size)
-    launch_plan = launch_plan or plan(num_pairs, num_experts, num_tiles, hidden_size, x.dtype,
-                                      current_device().sm_count)
-    kernel = get_kernel(KernelSpec(_SOURCE, f"moe_gate_up_kernel<{x.dtype.c_type}, {launch_plan.rows_per_pass}>"))
     args = [hidden, x, gate_up, sorted_pairs, offsets, active_experts, num_active, i32(top_k), i32(hidden_size),
-            i32(inter_size), np.int64(row_stride(x)), i32(launch_plan.k_split)]
-    kernel.launch(_grid(num_tiles, num_experts, num_pairs, launch_plan), 32 * _WARPS_PER_BLOCK, args, stream=stream)
+            i32(inter_size), np.int64(row_stride(x))]
+    _launch("moe_gate_up_kernel", x.dtype, shapes, gate_up_tiles(inter_size), hidden_size, launch_plan, args, stream)
 
 
 def moe_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
@@ -132,23 +128,25 @@ def moe_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor,
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every active expert e.
     hidden [P, I], down [E, H, I] in hidden's dtype, expert_out [P, H] float32; fp32 accumulation.
     launch_plan: None for `plan`'s choice."""
-    num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, ELEMENT_TYPES)
+    shapes = check_down_operands(expert_out, hidden, down, ELEMENT_TYPES)
+    num_pairs, num_experts, hidden_size, inter_size = shapes
     _require_routing(None, offsets, active_experts, num_active, num_pairs, num_experts)
     if num_pairs == 0 or hidden_size == 0:
         return
-    num_tiles = down_tiles(hidden_size)
-    launch_plan = launch_plan or plan(num_pairs, num_experts, num_tiles, inter_size, hidden.dtype,
-                                      current_device().sm_count)
-    kernel = get_kernel(KernelSpec(_SOURCE, f"moe_down_kernel<{hidden.dtype.c_type}, {launch_plan.rows_per_pass}>"))
-    args = [expert_out, hidden, down, offsets, active_experts, num_active, i32(hidden_size), i32(inter_size),
-            i32(launch_plan.k_split)]
-    kernel.launch(_grid(num_tiles, num_experts, num_pairs, launch_plan), 32 * _WARPS_PER_BLOCK, args, stream=stream)
+    args = [expert_out, hidden, down, offsets, active_experts, num_active, i32(hidden_size), i32(inter_size)]
+    _launch("moe_down_kernel", hidden.dtype, shapes, down_tiles(hidden_size), inter_size, launch_plan, args, stream)
 
 
-def _grid(num_tiles: int, num_experts: int, num_pairs: int, launch_plan: ExpertGemmPlan) -> tuple[int, int]:
-    """(blocks over an expert's tiles, one slot per possible active expert)."""
-    tiles_per_block = _WARPS_PER_BLOCK // launch_plan.k_split
-    return -(-num_tiles // tiles_per_block), min(num_experts, num_pairs)
+def _launch(kernel: str, dtype: DType, shapes: ExpertShapes, num_tiles: int, k: int,
+            launch_plan: ExpertGemmPlan | None, args: list, stream: Stream) -> None:
+    """`kernel`<dtype, kM> over num_tiles warp tiles of each possible active expert, K = k
+    long, with the plan's k_split appended to args; the plan is `plan`'s choice unless given.
+    Grid: (blocks over an expert's tiles, one slot per possible active expert)."""
+    num_pairs, num_experts = shapes.num_pairs, shapes.num_experts
+    launch_plan = launch_plan or plan(num_pairs, num_experts, num_tiles, k, dtype, current_device().sm_count)
+    grid = (-(-num_tiles // (_WARPS_PER_BLOCK // launch_plan.k_split)), min(num_experts, num_pairs))
+    get_kernel(KernelSpec(_SOURCE, f"{kernel}<{dtype.c_type}, {launch_plan.rows_per_pass}>")).launch(
+        grid, 32 * _WARPS_PER_BLOCK, [*args, i32(launch_plan.k_split)], stream=stream)
 
 
 # ---- preconditions ----
