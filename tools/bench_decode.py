@@ -358,14 +358,19 @@ def verdict(value: float, target: float) -> str:
     return f"{'meets' if value >= target else 'MISSES'} >= {target:g}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers (32 for the real shape)")
-    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per case")
+def parse_bench_args(description: str, layers: int, steps: int, argv: list[str] | None) -> argparse.Namespace:
+    """The options bench_decode.py and bench_moe.py share; `layers`: the real shape's count."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=layers, help=f"decoder layers ({layers} for the real shape)")
+    parser.add_argument("--steps", type=int, default=steps, help="timed decode steps per case")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="sparkd's share of the GPU; the rest is left to transformers (default %(default)s)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_bench_args(__doc__, layers=32, steps=64, argv=argv)
     ops, copy_rate, gemm_flops = measure_ceilings(f"Llama-3.1-8B shape with {args.layers} layers")
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)

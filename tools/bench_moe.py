@@ -20,7 +20,6 @@ peer's copy of the weights fits beside it at 48 layers.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_decode import (Model, measure_ceilings, print_engine_measures, print_peer,  # noqa: E402
-                          random_device_weights, transformers_decode)
+from bench_decode import (Model, measure_ceilings, parse_bench_args, print_engine_measures,  # noqa: E402
+                          print_peer, random_device_weights, transformers_decode)
 
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 from sparkd.engine.args import EngineArgs  # noqa: E402
@@ -99,13 +98,7 @@ def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilizatio
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=48, help="decoder layers (48 for the real shape)")
-    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                        help="sparkd's share of the GPU; the rest is left to transformers (default %(default)s)")
-    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    args = parser.parse_args(argv)
+    args = parse_bench_args(__doc__, layers=48, steps=32, argv=argv)
     ops, copy_rate, gemm_flops = measure_ceilings(f"Qwen3-30B-A3B shape with {args.layers} layers")
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
