@@ -65,6 +65,16 @@ __device__ __forceinline__ PackedRows packed_rows(const int* query_start_loc, co
 
 // ---- paged K/V ----
 
+// A key the block computed itself (decode with fused RoPE: the step's new key):
+// load_kv_tile takes key `key` from k and v [D] in shared memory instead of the
+// cache. key -1: every key comes from the cache.
+template <typename T>
+struct FreshKey {
+  int key = -1;
+  const T* k = nullptr;
+  const T* v = nullptr;
+};
+
 // One sequence's keys and values for one kv head in the paged caches.
 template <typename T, int D>
 struct PagedKV {
@@ -73,6 +83,7 @@ struct PagedKV {
   const int* block_table;   // the sequence's row of block_tables
   int block_size;           // BS
   long long block_stride;   // elements per block: Hkv * BS * D
+  FreshKey<T> fresh;        // none unless the block sets one
 
   // Element offset of row `row` of the sequence's block `block` (key block * BS + row).
   __device__ long long offset(int block, int row) const {
@@ -126,7 +137,9 @@ __device__ __forceinline__ void load_query_rows(T* dst, const T* q, const Packed
 }
 
 // Starts loading keys [key0, key0 + ROWS) into k_dst, v_dst [ROWS][smem_ld];
-// keys >= key_end are zeroed, so padding never feeds NaN garbage into P V.
+// keys >= key_end are zeroed, so padding never feeds NaN garbage into P V. The
+// fresh key, if any, is copied from shared memory at once; like the copies in
+// flight, it is visible to the block after its next barrier.
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_kv_tile(T* k_dst, T* v_dst, const PagedKV<T, D>& kv, int key0, int key_end) {
   constexpr int kVec = 16 / sizeof(T), kChunks = D / kVec, LD = smem_ld<T, D>();
@@ -140,11 +153,30 @@ __device__ __forceinline__ void load_kv_tile(T* k_dst, T* v_dst, const PagedKV<T
 #pragma unroll
   for (int i = 0; i < ceil_div(ROWS, kRowStep); ++i, r += kRowStep) {
     if (r >= ROWS) break;
-    const bool valid = key0 + r < key_end;
-    const long long src = valid ? kv.offset(block, row) + col : 0;
-    cp_async_16(k_dst + r * LD + col, kv.k + src, valid);
-    cp_async_16(v_dst + r * LD + col, kv.v + src, valid);
+    if (key0 + r == kv.fresh.key) {
+      *reinterpret_cast<uint4*>(k_dst + r * LD + col) = *reinterpret_cast<const uint4*>(kv.fresh.k + col);
+      *reinterpret_cast<uint4*>(v_dst + r * LD + col) = *reinterpret_cast<const uint4*>(kv.fresh.v + col);
+    } else {
+      const bool valid = key0 + r < key_end;
+      const long long src = valid ? kv.offset(block, row) + col : 0;
+      cp_async_16(k_dst + r * LD + col, kv.k + src, valid);
+      cp_async_16(v_dst + r * LD + col, kv.v + src, valid);
+    }
     for (row += kRowStep; row >= kv.block_size; row -= kv.block_size) ++block;
+  }
+}
+
+// Asks L2 for keys [key_begin, key_end) of K and V, without waiting: a block
+// that has other work before its first tile load finds them there.
+template <typename T, int D>
+__device__ __forceinline__ void prefetch_kv_rows(const PagedKV<T, D>& kv, int key_begin, int key_end) {
+  constexpr int kLines = D * static_cast<int>(sizeof(T)) / 128;  // 128-byte lines per row
+  static_assert(kLines >= 1, "a row covers whole lines");
+  for (int i = threadIdx.x; i < (key_end - key_begin) * kLines; i += kThreads) {
+    const int key = key_begin + i / kLines;
+    const long long offset = kv.offset(key / kv.block_size, key % kv.block_size) + (i % kLines) * (128 / sizeof(T));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(kv.k + offset));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(kv.v + offset));
   }
 }
 

@@ -15,9 +15,13 @@
 // depend only on host-side sizes, and blocks past a sequence's used parts exit
 // at once, so a graph planned for long contexts replays a short one at about
 // the cost of its one part.
+//
+// The *_rope kernels take the step's un-rotated q, k and v instead of q and do
+// rope_write_kv's work themselves (RopeQuery, attention_rope.cuh): one launch
+// for a decode-only step.
 #include "attention_fp32.cuh"
 #include "attention_mma.cuh"
-#include "attention_split.cuh"
+#include "attention_rope.cuh"
 
 using namespace sparkd;
 using namespace sparkd::attn;
@@ -48,9 +52,11 @@ __host__ __device__ constexpr int decode_stages() { return D <= 128 ? 2 : 1; }
 // tile with its own softmax state; the warps, then the CLUSTER blocks of a part,
 // are merged at the end. Block rank = split % CLUSTER, so grid.x = chunks *
 // num_splits with num_splits a multiple of CLUSTER.
-// Dynamic shared memory: max((16 + 2 * stages * 64) * (D + 8) * sizeof(T), (64 * D + 352) * 4) bytes.
-template <typename T, int D, int CLUSTER>
-__device__ __forceinline__ void decode_attention(T* out, float* o_part, float* lse_part, const T* q, const T* k_cache,
+// Dynamic shared memory: max((16 + 2 * stages * 64) * (D + 8) * sizeof(T), (64 * D + 352) * 4) bytes,
+// plus rope_scratch_bytes<T, D>() after the tiles with a RopeQuery.
+template <typename T, int D, int CLUSTER, typename Query>
+__device__ __forceinline__ void decode_attention(T* out, float* o_part, float* lse_part, const Query& query,
+                                                 const T* k_cache,
                                                  const T* v_cache, const int* query_start_loc, const int* seq_lens,
                                                  const int* block_tables, int max_blocks_per_seq, int num_q_heads,
                                                  int num_kv_heads, int block_size, float scale_log2, int num_splits,
@@ -78,10 +84,10 @@ __device__ __forceinline__ void decode_attention(T* out, float* o_part, float* l
   if (range.key_begin < range.key_end) {
     T* q_tile = reinterpret_cast<T*>(smem);   // [16][LD]
     T* kv_tiles = q_tile + kDecodeRows * LD;  // per stage: K [KEYS][LD], then V [KEYS][LD]
-    load_query_rows<T, D, kDecodeRows>(q_tile, q, rows, first_row);
-    const int last_key[1][2] = {{range.key_end - 1, range.key_end - 1}};
-    const PagedKV<T, D> kv =
+    PagedKV<T, D> kv =
         paged_kv<T, D>(k_cache, v_cache, block_tables, max_blocks_per_seq, seq, kv_head, num_kv_heads, block_size);
+    query.load(q_tile, kv_tiles + 2 * decode_stages<D>() * KEYS * LD, kv, rows, first_row, range);
+    const int last_key[1][2] = {{range.key_end - 1, range.key_end - 1}};
     pipelined_tiles<decode_stages<D>()>(
         ceil_div(range.key_end - range.key_begin, KEYS),
         [&](int t, int stage) {
@@ -110,50 +116,18 @@ __device__ __forceinline__ void decode_attention(T* out, float* o_part, float* l
     merge_parts<T, D>(out, o_part, lse_part, rows, first_row, seq, range.used_parts, num_splits / CLUSTER);
 }
 
-// Launch: grid (ceil(group / 16) * num_splits, Hkv, B), block 128; every
-// split is its own part. Shared memory as decode_attention; workspace as
-// DecodeSink with P = num_splits (unused when num_splits is 1).
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
-    decode_attention_kernel(T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-                            const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                            const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
-                            const int* __restrict__ block_tables, int max_blocks_per_seq, int num_q_heads,
-                            int num_kv_heads, int block_size, float scale_log2, int num_splits, int min_split_keys) {
-  decode_attention<T, D, 1>(out, o_part, lse_part, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                            max_blocks_per_seq, num_q_heads, num_kv_heads, block_size, scale_log2, num_splits,
-                            min_split_keys);
-}
-
-// Launch: as decode_attention_kernel with num_splits a multiple of
-// kDecodeCluster; clusters of kDecodeCluster blocks along x form the
-// P = num_splits / kDecodeCluster parts.
-template <typename T, int D>
-__global__ void __cluster_dims__(kDecodeCluster, 1, 1) __launch_bounds__(kThreads)
-    decode_attention_cluster_kernel(T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-                                    const T* __restrict__ q, const T* __restrict__ k_cache,
-                                    const T* __restrict__ v_cache, const int* __restrict__ query_start_loc,
-                                    const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
-                                    int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
-                                    float scale_log2, int num_splits, int min_split_keys) {
-  decode_attention<T, D, kDecodeCluster>(out, o_part, lse_part, q, k_cache, v_cache, query_start_loc, seq_lens,
-                                         block_tables, max_blocks_per_seq, num_q_heads, num_kv_heads, block_size,
-                                         scale_log2, num_splits, min_split_keys);
-}
-
 // ---- fp32 on CUDA cores, exact to rounding (no TF32) ----
 
 // Every split is its own part.
-// Launch: grid (ceil(group / 16) * num_splits, Hkv, B), block 128, dynamic
-// shared memory (16 + 2 * 32) * (D + 4) * 4 bytes; workspace as decode_attention_kernel.
-template <int D>
-__global__ void __launch_bounds__(kThreads)
-    decode_attention_fp32_kernel(float* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
-                                 const float* __restrict__ q, const float* __restrict__ k_cache,
-                                 const float* __restrict__ v_cache, const int* __restrict__ query_start_loc,
-                                 const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
-                                 int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
-                                 float scale_log2, int num_splits, int min_split_keys) {
+// Dynamic shared memory (16 + 2 * 32) * (D + 4) * 4 bytes, plus
+// rope_scratch_bytes<float, D>() after the tiles with a RopeQuery.
+template <int D, typename Query>
+__device__ __forceinline__ void decode_attention_fp32(float* out, float* o_part, float* lse_part, const Query& query,
+                                                      const float* k_cache, const float* v_cache,
+                                                      const int* query_start_loc, const int* seq_lens,
+                                                      const int* block_tables, int max_blocks_per_seq,
+                                                      int num_q_heads, int num_kv_heads, int block_size,
+                                                      float scale_log2, int num_splits, int min_split_keys) {
   static_assert(kFp32Rows == kDecodeRows, "both decode kernels cut a group into chunks of 16 heads");
   constexpr int R = kFp32RowsPerWarp, LD = smem_ld<float, D>();
 
@@ -165,7 +139,10 @@ __global__ void __launch_bounds__(kThreads)
 
   extern __shared__ __align__(16) unsigned char smem[];
   float* q_tile = reinterpret_cast<float*>(smem);  // [16][LD], then the K/V tiles
-  load_query_rows<float, D, kFp32Rows>(q_tile, q, rows, first_row);
+  float* kv_tile = q_tile + kFp32Rows * LD;
+  PagedKV<float, D> kv =
+      paged_kv<float, D>(k_cache, v_cache, block_tables, max_blocks_per_seq, seq, kv_head, num_kv_heads, block_size);
+  query.load(q_tile, kv_tile + 2 * kFp32Keys * LD, kv, rows, first_row, range);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warp_row = first_row + warp * R;
@@ -174,10 +151,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < R; ++r) last_key[r] = range.key_end - 1;
 
   Fp32Rows<D> st;
-  fp32_attend<D>(st, q_tile + warp * R * LD, q_tile + kFp32Rows * LD,
-                 paged_kv<float, D>(k_cache, v_cache, block_tables, max_blocks_per_seq, seq, kv_head, num_kv_heads,
-                                    block_size),
-                 range.key_begin, range.key_end, last_key, scale_log2);
+  fp32_attend<D>(st, q_tile + warp * R * LD, kv_tile, kv, range.key_begin, range.key_end, last_key, scale_log2);
 
 #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -192,3 +166,102 @@ __global__ void __launch_bounds__(kThreads)
   if (!range.direct() && arrive_last(arrival_counter(num_splits), range.used_parts))
     merge_parts<float, D>(out, o_part, lse_part, rows, first_row, seq, range.used_parts, num_splits);
 }
+
+// ---- the kernels ----
+//
+// Launch: grid (ceil(group / 16) * num_splits, Hkv, B), block 128. Workspace as
+// DecodeSink with P = num_splits / cluster parts (unused when that is 1).
+// decode_attention_kernel, decode_attention_fp32_kernel: every split is its own
+// part. decode_attention_cluster_kernel: num_splits a multiple of
+// kDecodeCluster; clusters of kDecodeCluster blocks along x form the parts.
+// Shared memory as decode_attention / decode_attention_fp32.
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    decode_attention_kernel(T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
+                            const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                            const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+                            const int* __restrict__ block_tables, int max_blocks_per_seq, int num_q_heads,
+                            int num_kv_heads, int block_size, float scale_log2, int num_splits, int min_split_keys) {
+  decode_attention<T, D, 1>(out, o_part, lse_part, StoredQuery<T, D>{q}, k_cache, v_cache, query_start_loc, seq_lens,
+                            block_tables, max_blocks_per_seq, num_q_heads, num_kv_heads, block_size, scale_log2,
+                            num_splits, min_split_keys);
+}
+
+template <typename T, int D>
+__global__ void __cluster_dims__(kDecodeCluster, 1, 1) __launch_bounds__(kThreads)
+    decode_attention_cluster_kernel(T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
+                                    const T* __restrict__ q, const T* __restrict__ k_cache,
+                                    const T* __restrict__ v_cache, const int* __restrict__ query_start_loc,
+                                    const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+                                    int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
+                                    float scale_log2, int num_splits, int min_split_keys) {
+  decode_attention<T, D, kDecodeCluster>(out, o_part, lse_part, StoredQuery<T, D>{q}, k_cache, v_cache,
+                                         query_start_loc, seq_lens, block_tables, max_blocks_per_seq, num_q_heads,
+                                         num_kv_heads, block_size, scale_log2, num_splits, min_split_keys);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+    decode_attention_fp32_kernel(float* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
+                                 const float* __restrict__ q, const float* __restrict__ k_cache,
+                                 const float* __restrict__ v_cache, const int* __restrict__ query_start_loc,
+                                 const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+                                 int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
+                                 float scale_log2, int num_splits, int min_split_keys) {
+  decode_attention_fp32<D>(out, o_part, lse_part, StoredQuery<float, D>{q}, k_cache, v_cache, query_start_loc,
+                           seq_lens, block_tables, max_blocks_per_seq, num_q_heads, num_kv_heads, block_size,
+                           scale_log2, num_splits, min_split_keys);
+}
+
+// The fused RoPE kernels: q, k, v [B, H, D] at row strides instead of q, then
+// RopeQuery's fields; the caches are written, so they are not __restrict__ const.
+#define SPARKD_ROPE_PARAMS(T)                                                                                   \
+  const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, long long q_stride,               \
+      long long k_stride, long long v_stride, const int *__restrict__ positions,                               \
+      const int *__restrict__ slot_mapping, const float *__restrict__ cos_sin, const T *__restrict__ q_norm,   \
+      const T *__restrict__ k_norm, float eps, int rotary_dim, T *k_cache, T *v_cache
+#define SPARKD_ROPE_QUERY(T, D) \
+  RopeQuery<T, D> { q, k, v, q_stride, k_stride, v_stride, positions, slot_mapping, cos_sin, q_norm, k_norm, eps, \
+                    rotary_dim, k_cache, v_cache }
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    decode_attention_rope_kernel(T* __restrict__ out, float* __restrict__ o_part, float* __restrict__ lse_part,
+                                 SPARKD_ROPE_PARAMS(T), const int* __restrict__ query_start_loc,
+                                 const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+                                 int max_blocks_per_seq, int num_q_heads, int num_kv_heads, int block_size,
+                                 float scale_log2, int num_splits, int min_split_keys) {
+  decode_attention<T, D, 1>(out, o_part, lse_part, SPARKD_ROPE_QUERY(T, D), k_cache, v_cache, query_start_loc,
+                            seq_lens, block_tables, max_blocks_per_seq, num_q_heads, num_kv_heads, block_size,
+                            scale_log2, num_splits, min_split_keys);
+}
+
+template <typename T, int D>
+__global__ void __cluster_dims__(kDecodeCluster, 1, 1) __launch_bounds__(kThreads)
+    decode_attention_rope_cluster_kernel(T* __restrict__ out, float* __restrict__ o_part,
+                                         float* __restrict__ lse_part, SPARKD_ROPE_PARAMS(T),
+                                         const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+                                         const int* __restrict__ block_tables, int max_blocks_per_seq,
+                                         int num_q_heads, int num_kv_heads, int block_size, float scale_log2,
+                                         int num_splits, int min_split_keys) {
+  decode_attention<T, D, kDecodeCluster>(out, o_part, lse_part, SPARKD_ROPE_QUERY(T, D), k_cache, v_cache,
+                                         query_start_loc, seq_lens, block_tables, max_blocks_per_seq, num_q_heads,
+                                         num_kv_heads, block_size, scale_log2, num_splits, min_split_keys);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+    decode_attention_rope_fp32_kernel(float* __restrict__ out, float* __restrict__ o_part,
+                                      float* __restrict__ lse_part, SPARKD_ROPE_PARAMS(float),
+                                      const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+                                      const int* __restrict__ block_tables, int max_blocks_per_seq, int num_q_heads,
+                                      int num_kv_heads, int block_size, float scale_log2, int num_splits,
+                                      int min_split_keys) {
+  decode_attention_fp32<D>(out, o_part, lse_part, SPARKD_ROPE_QUERY(float, D), k_cache, v_cache, query_start_loc,
+                           seq_lens, block_tables, max_blocks_per_seq, num_q_heads, num_kv_heads, block_size,
+                           scale_log2, num_splits, min_split_keys);
+}
+
+#undef SPARKD_ROPE_QUERY
+#undef SPARKD_ROPE_PARAMS

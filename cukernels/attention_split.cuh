@@ -79,25 +79,7 @@ __device__ __forceinline__ DecodeSink<T> decode_sink(T* out, float* o_part, floa
 
 // ---- the parts' merge, by the block that stores the last part ----
 
-// Every thread of a block that has stored its share of the parts calls this;
-// `arrivals` blocks of the same (sequence, kv head, head chunk) share `counter`.
-// True in the block that arrives last, which then sees every other block's
-// stores. That block resets the counter, so the next launch (a graph replay)
-// starts from zero again. As in cooperative groups' grid barrier, thread 0
-// counts the block in with release semantics, which cover the stores the block
-// barrier ordered before it, and acquire semantics, which the closing barrier
-// extends to the whole block.
-__device__ __forceinline__ bool arrive_last(unsigned* counter, unsigned arrivals) {
-  __syncthreads();
-  bool last = false;
-  if (threadIdx.x == 0) {
-    unsigned before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
-    last = before == arrivals - 1;
-    if (last) *counter = 0u;  // every block of this launch has counted itself in
-  }
-  return __syncthreads_or(last);
-}
+// arrive_last (common.cuh) picks the block that merges.
 
 // out rows = the parts merged by their log-sum-exps. Each thread owns 4 dims of a
 // row and folds the parts in part order, so the result does not depend on which

@@ -232,4 +232,24 @@ __device__ Selection<W> select_threshold(int n, CandidateOf candidate_of, W targ
   return {key_value(prefix), above, at};
 }
 
+// "Last block done": every thread of a block that has stored its share of a result
+// calls this; `arrivals` blocks share `counter` (e.g. a split decode attention's
+// blocks of one sequence, kv head and head chunk). True in the block that arrives
+// last, which then sees every other block's stores. That block resets the counter,
+// so the next launch (a graph replay) starts from zero again. As in cooperative
+// groups' grid barrier, thread 0 counts the block in with release semantics, which
+// cover the stores the block barrier ordered before it, and acquire semantics, which
+// the closing barrier extends to the whole block.
+__device__ __forceinline__ bool arrive_last(unsigned* counter, unsigned arrivals) {
+  __syncthreads();
+  bool last = false;
+  if (threadIdx.x == 0) {
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+    last = before == arrivals - 1;
+    if (last) *counter = 0u;  // every block of this launch has counted itself in
+  }
+  return __syncthreads_or(last);
+}
+
 }  // namespace sparkd

@@ -18,75 +18,37 @@
 // Rotated q goes to q_out [T, Hq, D]; rotated k and plain v go to the caches
 // [NB, Hkv, BS, D] at slot = slot_mapping[t] = block * BS + offset; a negative
 // slot skips the cache write (padding tokens).
-#include "common.cuh"
+#include "rope_common.cuh"
 
 using namespace sparkd;
 
-// kVec values of a head vector from dim on, RMS-normalised (scaled by inv_rms and
-// the weight, then rounded to T) when norm_weight is not null.
+// Writes kVec consecutive outputs of one head, starting at dim, from head vector src
+// (normalised first when norm_weight is set): rope_common.cuh's rotated_chunk.
 template <typename T, int kVec>
-__device__ __forceinline__ void load_head_chunk(const T* head, const T* norm_weight, float inv_rms, int dim,
-                                                float (&x)[kVec]) {
-  load_floats<kVec>(head + dim, x);
-  if (norm_weight == nullptr) return;
-  float w[kVec];
-  load_floats<kVec>(norm_weight + dim, w);
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) x[i] = to_float(from_float<T>(x[i] * inv_rms * w[i]));
-}
-
-// Writes kVec consecutive outputs of one head, starting at dim, from head
-// vector src (normalised first when norm_weight is set). Each chunk reads its
-// rotation partner chunk itself, so every thread produces exactly one output chunk.
-template <typename T, int kVec>
-__device__ __forceinline__ void rotate_chunk(T* dst, const T* src, const T* norm_weight, float inv_rms,
-                                             const float* cos_sin_row, int dim, int rotary_dim) {
+__device__ __forceinline__ void store_rotated_chunk(T* dst, const T* src, const T* norm_weight, float inv_rms,
+                                                    const float* cos_sin_row, int dim, int rotary_dim) {
   float x[kVec];
-  load_head_chunk<T, kVec>(src, norm_weight, inv_rms, dim, x);
-  if (dim < rotary_dim) {
-    const int half = rotary_dim / 2;
-    const bool first_half = dim < half;
-    const int freq = first_half ? dim : dim - half;
-    float partner[kVec], cos_v[kVec], sin_v[kVec];
-    load_head_chunk<T, kVec>(src, norm_weight, inv_rms, first_half ? dim + half : freq, partner);
-    load_floats<kVec>(cos_sin_row + freq, cos_v);
-    load_floats<kVec>(cos_sin_row + half + freq, sin_v);
-    // out = x * cos + sign * partner * sin, sign = -1 for the first half.
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      const float rotated = partner[i] * sin_v[i];
-      x[i] = x[i] * cos_v[i] + (first_half ? -rotated : rotated);
-    }
-  }
+  rotated_chunk<T, kVec>(x, src, norm_weight, inv_rms, cos_sin_row, dim, rotary_dim);
   store_floats<kVec>(dst + dim, x);
 }
 
 // inv_rms[h] = 1 / sqrt(mean(x_h^2) + eps) for the token's q heads h < Hq and its
-// k heads Hq + j. A group of lanes_per_head lanes (a power of two, at most a
-// warp) reduces one head, so a warp's groups share their passes and shuffles.
-// Every thread of the block must call it; blockDim.x is a multiple of 32.
+// k heads Hq + j (head_inv_rms: a group of lanes_per_head lanes per head, so a
+// warp's groups share their passes and shuffles). Every thread of the block must
+// call it; blockDim.x is a multiple of 32.
 template <typename T, int kVec>
-__device__ __forceinline__ void head_inv_rms(float* __restrict__ inv_rms, const T* q_row, const T* k_row,
-                                             int num_q_heads, int num_kv_heads, int head_dim, float eps) {
-  const int chunks_per_head = head_dim / kVec;
-  int lanes_per_head = 1;
-  while (lanes_per_head < chunks_per_head && lanes_per_head < 32) lanes_per_head *= 2;
-  const int group = threadIdx.x / lanes_per_head, lane = threadIdx.x % lanes_per_head;
-  const int num_groups = blockDim.x / lanes_per_head, num_heads = num_q_heads + num_kv_heads;
+__device__ __forceinline__ void token_inv_rms(float* __restrict__ inv_rms, const T* q_row, const T* k_row,
+                                              int num_q_heads, int num_kv_heads, int head_dim, float eps) {
+  const int lanes = lanes_per_head(head_dim / kVec);
+  const int group = threadIdx.x / lanes, lane = threadIdx.x % lanes;
+  const int num_groups = blockDim.x / lanes, num_heads = num_q_heads + num_kv_heads;
   for (int first = 0; first < num_heads; first += num_groups) {  // the same passes for every thread
     const int head = first + group;
-    float sum_sq = 0.f;
-    if (head < num_heads) {
-      const T* src = head < num_q_heads ? q_row + head * head_dim : k_row + (head - num_q_heads) * head_dim;
-      for (int chunk = lane; chunk < chunks_per_head; chunk += lanes_per_head) {
-        float x[kVec];
-        load_floats<kVec>(src + chunk * kVec, x);
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) sum_sq += x[i] * x[i];
-      }
-    }
-    for (int offset = lanes_per_head / 2; offset > 0; offset /= 2) sum_sq += __shfl_xor_sync(kFullMask, sum_sq, offset);
-    if (head < num_heads && lane == 0) inv_rms[head] = 1.f / sqrtf(sum_sq / static_cast<float>(head_dim) + eps);
+    const T* src = head >= num_heads     ? nullptr
+                   : head < num_q_heads ? q_row + head * head_dim
+                                        : k_row + (head - num_q_heads) * head_dim;
+    const float value = head_inv_rms<T, kVec>(src, head_dim, lane, lanes, eps);
+    if (src != nullptr && lane == 0) inv_rms[head] = value;
   }
   __syncthreads();
 }
@@ -110,7 +72,7 @@ __global__ void rope_write_kv_kernel(T* __restrict__ q_out, T* __restrict__ k_ca
   const int token = blockIdx.x;
   const T* q_row = q + token * q_stride;
   const T* k_row = k + token * k_stride;
-  if (q_norm != nullptr) head_inv_rms<T, kVec>(inv_rms, q_row, k_row, num_q_heads, num_kv_heads, head_dim, eps);
+  if (q_norm != nullptr) token_inv_rms<T, kVec>(inv_rms, q_row, k_row, num_q_heads, num_kv_heads, head_dim, eps);
   const float* cos_sin_row = cos_sin + static_cast<long long>(positions[token]) * rotary_dim;
   const int slot = slot_mapping[token];
   const long long cache_block = slot / block_size;
@@ -121,9 +83,9 @@ __global__ void rope_write_kv_kernel(T* __restrict__ q_out, T* __restrict__ k_ca
     const int head = item / chunks_per_head;
     const int dim = (item % chunks_per_head) * kVec;
     if (head < num_q_heads) {
-      rotate_chunk<T, kVec>(q_out + (static_cast<long long>(token) * num_q_heads + head) * head_dim,
-                            q_row + head * head_dim, q_norm, q_norm != nullptr ? inv_rms[head] : 1.f, cos_sin_row,
-                            dim, rotary_dim);
+      store_rotated_chunk<T, kVec>(q_out + (static_cast<long long>(token) * num_q_heads + head) * head_dim,
+                                   q_row + head * head_dim, q_norm, q_norm != nullptr ? inv_rms[head] : 1.f,
+                                   cos_sin_row, dim, rotary_dim);
       continue;
     }
     if (slot < 0) continue;
@@ -131,8 +93,9 @@ __global__ void rope_write_kv_kernel(T* __restrict__ q_out, T* __restrict__ k_ca
     const int kv_head = head - num_q_heads - (is_k ? 0 : num_kv_heads);
     const long long cache_row = ((cache_block * num_kv_heads + kv_head) * block_size + cache_offset) * head_dim;
     if (is_k) {
-      rotate_chunk<T, kVec>(k_cache + cache_row, k_row + kv_head * head_dim, k_norm,
-                            k_norm != nullptr ? inv_rms[num_q_heads + kv_head] : 1.f, cos_sin_row, dim, rotary_dim);
+      store_rotated_chunk<T, kVec>(k_cache + cache_row, k_row + kv_head * head_dim, k_norm,
+                                   k_norm != nullptr ? inv_rms[num_q_heads + kv_head] : 1.f, cos_sin_row, dim,
+                                   rotary_dim);
     } else {
       float x[kVec];
       load_floats<kVec>(v + token * v_stride + kv_head * head_dim + dim, x);

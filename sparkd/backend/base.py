@@ -171,7 +171,7 @@ class Ops(Protocol):
 
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         """Upload/plan a step's attention metadata once; the result is passed to
-        every layer's `attention` and `rope_write_kv` call of that step."""
+        every layer's `rope_write_kv`, `attention` and `rope_attention` call of that step."""
 
     # ---- compute ----
     def embedding(self, token_ids: Tensor, table: Tensor) -> Tensor:
@@ -220,6 +220,14 @@ class Ops(Protocol):
 
         Token t of sequence s at position p attends to cache slots 0..p of s,
         read through the block table."""
+
+    def rope_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, rope: RopeConfig, k_cache: Tensor,
+        v_cache: Tensor, attn: Any, scale: float, qk_norm: tuple[Tensor, Tensor, float] | None = None,
+    ) -> Tensor:
+        """`rope_write_kv` then `attention`: un-rotated q [T, Hq, D], k, v [T, Hkv, D] -> [T, Hq, D].
+        The caches end as rope_write_kv leaves them; the rotated q is not returned, so a
+        backend may fuse the two (CUDA does at decode-only steps of small batches)."""
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""

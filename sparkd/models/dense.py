@@ -38,7 +38,7 @@ class DenseAttention:
         self.scaling = config.head_dim**-0.5
         self.qkv_proj, self.qkv_bias = take_linear(weights, prefix + "qkv_proj", config.qkv_bias)
         self.o_proj, self.o_bias = take_linear(weights, prefix + "o_proj", config.o_proj_bias)
-        # Qwen3's per-head q/k RMSNorm, applied inside rope_write_kv: (q_norm [D], k_norm [D], eps).
+        # Qwen3's per-head q/k RMSNorm, applied inside rope_attention: (q_norm [D], k_norm [D], eps).
         self.qk_norm = ((take(weights, prefix + "q_norm.weight"), take(weights, prefix + "k_norm.weight"),
                          config.rms_norm_eps) if config.qk_norm else None)
 
@@ -48,8 +48,8 @@ class DenseAttention:
         qkv = ops.linear(hidden_states, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
         q, k, v = ops.split_heads(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
         k_cache, v_cache = kv_cache
-        q = ops.rope_write_kv(q, k, v, positions, config.rope, k_cache, v_cache, attn, self.qk_norm)
-        attn_output = ops.attention(q, k_cache, v_cache, attn, self.scaling)  # [T, Hq, D]
+        attn_output = ops.rope_attention(q, k, v, positions, config.rope, k_cache, v_cache, attn, self.scaling,
+                                         self.qk_norm)  # [T, Hq, D]
         attn_output = ops.reshape(attn_output, (q.shape[0], config.num_heads * config.head_dim))
         return ops.linear(attn_output, self.o_proj, self.o_bias)
 

@@ -105,6 +105,14 @@ class NumpyOps:
     ) -> np.ndarray:
         return paged_attention(q, k_cache, v_cache, attn, scale)
 
+    def rope_attention(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray, rope: RopeConfig,
+        k_cache: np.ndarray, v_cache: np.ndarray, attn: AttentionPlan, scale: float,
+        qk_norm: tuple[np.ndarray, np.ndarray, float] | None = None,
+    ) -> np.ndarray:
+        q = self.rope_write_kv(q, k, v, positions, rope, k_cache, v_cache, attn, qk_norm)
+        return self.attention(q, k_cache, v_cache, attn, scale)
+
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         return silu_and_mul(x)
 

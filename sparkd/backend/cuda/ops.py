@@ -225,6 +225,24 @@ class CudaOps:
         attention.decode_attention(out, q, k_cache, v_cache, attn, scale, self.stream, workspace)
         return out
 
+    def rope_attention(self, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions: DeviceTensor,
+                       rope: RopeConfig, k_cache: DeviceTensor, v_cache: DeviceTensor,
+                       attn: CudaAttentionMetadata, scale: float,
+                       qk_norm: rope_kv.QKNorm | None = None) -> DeviceTensor:
+        """One decode_attention_rope launch where attention.use_fused_rope says it pays (decode-only
+        steps of small batches); otherwise rope_write_kv then attention. A decode graph captures
+        the choice of its bucket's batch size."""
+        cos_sin = self._rope_table(rope, attn.max_seq_len)
+        if not attention.use_fused_rope(q, k, v, cos_sin, k_cache, v_cache, attn, qk_norm):
+            q = self.rope_write_kv(q, k, v, positions, rope, k_cache, v_cache, attn, qk_norm)
+            return self.attention(q, k_cache, v_cache, attn, scale)
+        out = self.allocator.empty(q.shape, q.dtype)
+        numel = attention.decode_workspace_numel(q, k_cache, attn, fused_rope=True)
+        workspace = self.allocator.empty((numel,), DType.float32) if numel else None
+        attention.decode_attention_rope(out, q, k, v, positions, cos_sin, k_cache, v_cache, attn, scale,
+                                        self.stream, workspace, qk_norm)
+        return out
+
     def silu_and_mul(self, x: DeviceTensor) -> DeviceTensor:
         out = self.allocator.empty((x.shape[0], x.shape[1] // 2), x.dtype)
         activation.silu_and_mul(out, x, self.stream)
