@@ -27,7 +27,7 @@ from ..launch import Kernel
 from ..tensor import DeviceTensor
 from . import i32, require
 from .moe_gemm import check_down_operands, check_gate_up_operands, row_stride
-from .moe_grouped_gemm import DTYPES, TILE_M, _require_plan, max_m_tiles
+from .moe_grouped_gemm import DTYPES, TILE_M, require_plan, max_m_tiles
 
 _SOURCE = "moe_grouped_wgmma.cu"
 WGMMA_ARCH = "sm_90"  # wgmma exists on sm_90a only: CUBINs for it load on compute capability 9.0 alone
@@ -70,7 +70,7 @@ def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTe
     hidden [P = T*top_k, I] in x's dtype (bf16/fp16); tile_starts from `moe_grouped_gemm.plan_tiles`."""
     num_pairs, num_experts, hidden_size, inter_size = check_gate_up_operands(hidden, x, gate_up, top_k, DTYPES)
     weight_tiles = -(-inter_size // _GATE_UP_COLS)
-    _require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
+    require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     if num_pairs == 0 or inter_size == 0:
         return
     args = [hidden, x, gate_up, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(top_k), i32(hidden_size),
@@ -85,7 +85,7 @@ def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: Devic
     tile_starts from `moe_grouped_gemm.plan_tiles`."""
     num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, DTYPES)
     weight_tiles = -(-hidden_size // _TILE_N)
-    _require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
+    require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     if num_pairs == 0 or hidden_size == 0:
         return
     args = [expert_out, hidden, down, offsets, tile_starts, i32(num_experts), i32(hidden_size), i32(inter_size)]
