@@ -1,6 +1,7 @@
-"""The prefill-path expert GEMMs (moe_grouped_gemm: gate_up, down) at Qwen3-30B-A3B and Mixtral
-shapes: time per call and TFLOP/s in active FLOPs, against cuBLASLt running one dense GEMM of
-the same FLOPs and against the bf16 8192^3 GEMM rate measured in the same run.
+"""The prefill-path expert GEMMs (gate_up, down) at Qwen3-30B-A3B and Mixtral shapes: time per
+call and TFLOP/s in active FLOPs of the mma.sync kernels (moe_grouped_gemm) and, on sm_90, of
+the wgmma ones (moe_grouped_wgmma, with their speed-up over mma.sync), against cuBLASLt running
+one dense GEMM of the same FLOPs and against the bf16 8192^3 GEMM rate measured in the same run.
 
   python tools/bench_moe_grouped.py [--model qwen3 mixtral] [--tokens 512 4096] [--iters 10]
 
@@ -9,7 +10,8 @@ count the rows routed to each expert, nothing of the padding of its last 128-row
 gate_up 2 * P * 2I * H, down 2 * P * H * I. The cuBLASLt line is [P, 2I] = [P, H] @ [2I, H]^T
 (bf16 out) for gate_up and [P, H] = [P, I] @ [H, I]^T (fp32 out, as the kernel writes) for
 down: the rate a dense GEMM of that size reaches, the ceiling of a grouped one. "tile rows"
-is the rows the M-tiles compute over the active rows. Weights hold 1.0 and x random values;
+is the rows the 128-row M-tiles span over the active rows (wgmma computes an M-tile's second
+64 rows only where it has any). Weights hold 1.0 and x random values;
 the values do not change the timing. The timed launches are replayed from one CUDA graph,
 so Python launch overhead is not counted; the routing, alignment and tile plan are done once
 beforehand.
@@ -29,7 +31,7 @@ from bench_common import DeviceBench, timed_graph
 from bench_gemm import gemm_rate
 
 from sparkd.backend.cuda.gemm import Gemm
-from sparkd.backend.cuda.kernels import moe_grouped_gemm, moe_routing
+from sparkd.backend.cuda.kernels import moe_grouped_gemm, moe_grouped_wgmma, moe_routing
 from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
@@ -75,22 +77,31 @@ def bench_tokens(b: Bench, model: str, tokens: int, gate_up: DeviceTensor, down:
     hidden = b.allocator.empty((num_pairs, inter), b.dtype)
     expert_out = b.allocator.empty((num_pairs, hidden_size), DType.float32)
 
-    def gate_up_call() -> None:
-        moe_grouped_gemm.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets,
-                                             tile_starts, top_k, b.stream)
+    def gate_up_call(gemms) -> None:
+        gemms.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets, tile_starts, top_k,
+                                  b.stream)
 
-    def down_call() -> None:
-        moe_grouped_gemm.moe_grouped_down(expert_out, hidden, down, alignment.offsets, tile_starts, b.stream)
+    def down_call(gemms) -> None:
+        gemms.moe_grouped_down(expert_out, hidden, down, alignment.offsets, tile_starts, b.stream)
 
     gate_up_flops = 2 * num_pairs * 2 * inter * hidden_size
     down_flops = 2 * num_pairs * hidden_size * inter
-    b.row(model, tokens, "moe_grouped_gate_up", timed_graph(b.stream, gate_up_call, b.iters), gate_up_flops,
-          tile_rows)
+    grouped_rows(b, model, tokens, "moe_grouped_gate_up", gate_up_call, gate_up_flops, tile_rows)
     b.row(model, tokens, f"cuBLASLt {num_pairs}x{2 * inter}x{hidden_size}",
           dense_seconds(b, num_pairs, 2 * inter, hidden_size, b.dtype), gate_up_flops, "1.00")
-    b.row(model, tokens, "moe_grouped_down", timed_graph(b.stream, down_call, b.iters), down_flops, tile_rows)
+    grouped_rows(b, model, tokens, "moe_grouped_down", down_call, down_flops, tile_rows)
     b.row(model, tokens, f"cuBLASLt {num_pairs}x{hidden_size}x{inter}",
           dense_seconds(b, num_pairs, hidden_size, inter, DType.float32), down_flops, "1.00")
+
+
+def grouped_rows(b: Bench, model: str, tokens: int, name: str, launch, flops: float, tile_rows: str) -> None:
+    """`name` on mma.sync, then on wgmma where the device has it; launch(gemms) runs one call of a
+    kernel module (moe_grouped_gemm or moe_grouped_wgmma)."""
+    mma_seconds = timed_graph(b.stream, lambda: launch(moe_grouped_gemm), b.iters)
+    b.row(model, tokens, f"{name} (mma.sync)", mma_seconds, flops, tile_rows)
+    if moe_grouped_wgmma.use_wgmma(b.device.arch):
+        seconds = timed_graph(b.stream, lambda: launch(moe_grouped_wgmma), b.iters)
+        b.row(model, tokens, f"{name} (wgmma, {mma_seconds / seconds:.2f}x mma.sync)", seconds, flops, tile_rows)
 
 
 def dense_seconds(b: Bench, m: int, n: int, k: int, out_dtype: DType) -> float:
@@ -111,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = Bench(DType.parse(args.dtype), args.iters)
     stages = moe_grouped_gemm.pipeline_stages(bench.device.max_shared_per_block_optin)
+    wgmma = "; wgmma: persistent, 4 stages" if moe_grouped_wgmma.use_wgmma(bench.device.arch) else ""
     print(f"# {bench.device.name} ({bench.device.arch}), {args.dtype}; {args.dtype} GEMM 8192^3 through cuBLASLt: "
-          f"{bench.gemm_rate / 1e12:.0f} TFLOP/s; grouped GEMM pipeline {stages} stages deep")
+          f"{bench.gemm_rate / 1e12:.0f} TFLOP/s; mma.sync pipeline {stages} stages deep{wgmma}")
     print("| model | T | kernel | us/call | TFLOP/s | of GEMM 8192^3 | tile rows / rows |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for model in args.model:

@@ -43,7 +43,7 @@ class KernelSpec:
 @dataclass(frozen=True)
 class CompiledModule:
     source: str
-    arch: str
+    arch: str  # the target the CUBIN is for, e.g. "sm_90a" for a source that asked for it
     cubin: bytes
     lowered_names: dict[str, str] = field(hash=False)  # name expression -> mangled symbol
     from_cache: bool = False
@@ -66,6 +66,19 @@ def _cudart_include_dir() -> str:
     if found is None:
         raise CompileError("CUDA headers (cuda_bf16.h) not found: pip install nvidia-cuda-runtime")
     return str(found)
+
+
+# Instructions of one chip only (sm_90a: wgmma, setmaxnreg) need its arch-specific target,
+# whose CUBIN loads on that compute capability alone. A source that tests the target's
+# feature macro asks for it; on other targets the code it guards compiles out.
+_ARCH_FEATURE_MACROS = {"sm_90": b"__CUDA_ARCH_FEAT_SM90_ALL"}
+
+
+def target_arch(files: dict[str, bytes], arch: str) -> str:
+    """The arch to compile `files` (from `source_files`) for: `arch`, or its arch-specific
+    variant ("sm_90a") when the source or a header it includes mentions that variant's feature macro."""
+    macro = _ARCH_FEATURE_MACROS.get(arch)
+    return f"{arch}a" if macro is not None and any(macro in text for text in files.values()) else arch
 
 
 def compile_options(arch: str, kernel_dir: Path = KERNEL_DIR) -> list[str]:
@@ -110,10 +123,11 @@ def cache_key(files: dict[str, bytes], names: Sequence[str], options: Sequence[s
 
 
 def compile_specs(source: str, names: Iterable[str], arch: str, kernel_dir: Path = KERNEL_DIR) -> CompiledModule:
-    """Compile `names` of `source` (a file in `kernel_dir`) for `arch`, through the on-disk cache."""
+    """Compile `names` of `source` (a file in `kernel_dir`) for `arch` (see `target_arch`), through the on-disk cache."""
     names = sorted(set(names))
-    options = compile_options(arch, kernel_dir)
     files = source_files(source, kernel_dir)
+    arch = target_arch(files, arch)
+    options = compile_options(arch, kernel_dir)
     key = cache_key(files, names, options)
     cached = _read_cache(key)
     if cached is not None:

@@ -101,7 +101,7 @@ def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTe
     _require_stages(stages)
     num_pairs, num_experts, hidden_size, inter_size = check_gate_up_operands(hidden, x, gate_up, top_k, DTYPES)
     weight_tiles = -(-inter_size // _GATE_UP_COLS)
-    _require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
+    require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     if num_pairs == 0 or inter_size == 0:
         return
     num_slots = max_m_tiles(num_pairs, num_experts)
@@ -118,7 +118,7 @@ def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: Devic
     _require_stages(stages)
     num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, DTYPES)
     weight_tiles = -(-hidden_size // _TILE_N)
-    _require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
+    require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     if num_pairs == 0 or hidden_size == 0:
         return
     num_slots = max_m_tiles(num_pairs, num_experts)
@@ -137,7 +137,7 @@ def _launch(kernel: str, dtype: DType, num_blocks: int, args: list, stages: int 
 
 # ---- preconditions ----
 
-def _require_plan(sorted_pairs: DeviceTensor | None, offsets: DeviceTensor, tile_starts: DeviceTensor,
+def require_plan(sorted_pairs: DeviceTensor | None, offsets: DeviceTensor, tile_starts: DeviceTensor,
                   num_pairs: int, num_experts: int, weight_tiles: int) -> None:
     """The alignment's offsets (and sorted_pairs where read) and plan_tiles' tile_starts for P pairs over E experts,
     and a grid of every M-tile slot times `weight_tiles` within CUDA's limit."""

@@ -1,0 +1,119 @@
+"""Hopper expert GEMM launchers (cukernels/moe_grouped_wgmma.cu): moe_grouped_gemm's two GEMMs on
+warpgroup MMAs (wgmma, sm_90a), for sm_90 devices only.
+
+Same operands, outputs and tile plan as `moe_grouped_gemm` (P = T*k (token, expert) pairs, E
+experts, H hidden size, I expert intermediate size; rows in expert order as the alignment kernel
+lays them out; tile_starts from `moe_grouped_gemm.plan_tiles`, whose 128-row M-tiles these
+kernels share):
+
+    moe_grouped_gate_up: hidden [P, I] = silu(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T), in x's dtype
+    moe_grouped_down:    expert_out [P, H] float32 = hidden @ down[e]^T
+
+bf16 and fp16, fp32 accumulation. A block is one producer warpgroup (cp.async into a 4-stage
+ring, mbarriers) and two consumer warpgroups (wgmma m64n256k16, 64 rows each); the grid is
+persistent, one block per SM at most, so it depends on (P, E, N) and the device only and the
+launches are graph-capturable. CudaOps picks these where `use_wgmma(device arch)` holds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from cuda.bindings import driver
+
+from ...dtypes import DType
+from ..compiler import KernelSpec, get_kernel
+from ..driver import Stream, call, current_device
+from ..launch import Kernel
+from ..tensor import DeviceTensor
+from . import i32, require
+from .moe_gemm import check_down_operands, check_gate_up_operands, row_stride
+from .moe_grouped_gemm import DTYPES, TILE_M, require_plan, max_m_tiles
+
+_SOURCE = "moe_grouped_wgmma.cu"
+WGMMA_ARCH = "sm_90"  # wgmma exists on sm_90a only: CUBINs for it load on compute capability 9.0 alone
+_TILE_N = 256  # kTileN: weight rows per tile
+_GATE_UP_COLS = _TILE_N // 2  # hidden columns per gate_up tile: their gate rows and their up rows
+_STAGES = 4  # kStages
+_ROW_BYTES = 128  # kRowBytes: a 64-wide K slice of one row
+_THREADS = 384  # kThreads: a producer and two consumer warpgroups
+# Dynamic shared memory: slack to the first 1024-byte boundary (the swizzle's period), the
+# stages (TILE_M activation rows, then _TILE_N weight rows), a full and an empty barrier a stage.
+SMEM_BYTES = 1024 + _STAGES * (TILE_M + _TILE_N) * _ROW_BYTES + 2 * _STAGES * 8
+# The registers a thread the block must start with (kLaunchRegisters): setmaxnreg hands the
+# producer's surplus to the consumers within it, and a block with fewer would wait forever.
+_LAUNCH_REGISTERS = 168
+
+
+def _spec(kernel: str, dtype: DType) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"{kernel}<{dtype.c_type}>")
+
+
+SPECS = [_spec(kernel, dtype) for kernel in ("moe_grouped_gate_up_wgmma_kernel", "moe_grouped_down_wgmma_kernel")
+         for dtype in DTYPES]
+
+
+def use_wgmma(device_arch: str) -> bool:
+    """The host's rule for CudaOps.moe_experts' grouped GEMMs: these kernels on sm_90 (Hopper),
+    moe_grouped_gemm's mma.sync ones anywhere else (where these are built as a trap)."""
+    return device_arch == WGMMA_ARCH
+
+
+def persistent_blocks(num_pairs: int, num_experts: int, weight_tiles: int, sm_count: int) -> int:
+    """Blocks of a launch: one per SM, fewer when any routing has fewer tiles than SMs."""
+    return min(sm_count, max_m_tiles(num_pairs, num_experts) * weight_tiles)
+
+
+def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, sorted_pairs: DeviceTensor,
+                        offsets: DeviceTensor, tile_starts: DeviceTensor, top_k: int, stream: Stream) -> None:
+    """hidden[row] = silu_and_mul(gate_up[e] @ x[sorted_pairs[row] // top_k]) for every sorted row of every
+    expert e that has rows. x [T, H] (rows may be spaced), gate_up [E, 2I, H] = [gate | up] per expert,
+    hidden [P = T*top_k, I] in x's dtype (bf16/fp16); tile_starts from `moe_grouped_gemm.plan_tiles`."""
+    num_pairs, num_experts, hidden_size, inter_size = check_gate_up_operands(hidden, x, gate_up, top_k, DTYPES)
+    weight_tiles = -(-inter_size // _GATE_UP_COLS)
+    require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
+    if num_pairs == 0 or inter_size == 0:
+        return
+    args = [hidden, x, gate_up, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(top_k), i32(hidden_size),
+            i32(inter_size), np.int64(row_stride(x))]
+    _launch("moe_grouped_gate_up_wgmma_kernel", x.dtype, num_pairs, num_experts, weight_tiles, args, stream)
+
+
+def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
+                     tile_starts: DeviceTensor, stream: Stream) -> None:
+    """expert_out[row] = down[e] @ hidden[row] for every sorted row of every expert e that has rows.
+    hidden [P, I] (bf16/fp16), down [E, H, I] in hidden's dtype, expert_out [P, H] float32;
+    tile_starts from `moe_grouped_gemm.plan_tiles`."""
+    num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, DTYPES)
+    weight_tiles = -(-hidden_size // _TILE_N)
+    require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
+    if num_pairs == 0 or hidden_size == 0:
+        return
+    args = [expert_out, hidden, down, offsets, tile_starts, i32(num_experts), i32(hidden_size), i32(inter_size)]
+    _launch("moe_grouped_down_wgmma_kernel", hidden.dtype, num_pairs, num_experts, weight_tiles, args, stream)
+
+
+def _launch(kernel_name: str, dtype: DType, num_pairs: int, num_experts: int, weight_tiles: int, args: list,
+            stream: Stream) -> None:
+    """The persistent grid on an sm_90 device: off it the kernels are traps, so refuse first."""
+    device = current_device()
+    require(use_wgmma(device.arch), f"the wgmma expert GEMMs run on {WGMMA_ARCH} only, this device is {device.arch}")
+    kernel = get_kernel(_spec(kernel_name, dtype))
+    _require_register_budget(kernel)
+    blocks = persistent_blocks(num_pairs, num_experts, weight_tiles, device.sm_count)
+    kernel.launch(blocks, _THREADS, args, shared_mem=SMEM_BYTES, stream=stream)
+
+
+_budgets_checked: set[str] = set()
+
+
+def _require_register_budget(kernel: Kernel) -> None:
+    """setmaxnreg deadlocks a block that starts with fewer registers than the budgets it moves:
+    refuse such a build (a different ptxas) instead of hanging the device."""
+    if kernel.name in _budgets_checked:
+        return
+    registers = call(driver.cuFuncGetAttribute, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS,
+                     kernel.function)
+    if registers < _LAUNCH_REGISTERS:
+        raise RuntimeError(f"{kernel.name} was built with {registers} registers a thread; its setmaxnreg budgets "
+                           f"need {_LAUNCH_REGISTERS}")
+    _budgets_checked.add(kernel.name)

@@ -1,0 +1,138 @@
+"""Host side of the Hopper wgmma expert GEMMs (kernels/moe_grouped_wgmma.py): the sm_90-only rule
+CudaOps will pick them by, the sm_90a build (compiler.target_arch) next to a plain sm_120 one,
+the persistent grid, the shared memory and register budgets, and the preconditions. No GPU:
+launches are refused before a kernel loads, on tensors whose addresses are never touched."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+from device_fakes import fake_tensor
+
+from sparkd.backend.cuda import compiler
+from sparkd.backend.cuda.kernels import moe_grouped_gemm
+from sparkd.backend.cuda.kernels import moe_grouped_wgmma as wgmma
+
+T, K, E, H, I = 3, 2, 8, 64, 32  # P = 6 pairs
+HOPPER_SHARED_OPTIN = 232448  # 227 KiB a block
+RESERVED_SHARED = 1024  # what sm_90 keeps of each block's shared memory
+
+
+def _plan(num_pairs=T * K, num_experts=E):
+    """sorted_pairs, offsets, tile_starts."""
+    return [fake_tensor((num_pairs,), "int32"), fake_tensor((num_experts + 1,), "int32"),
+            fake_tensor((num_experts + 1,), "int32")]
+
+
+def _gate_up(**tensors):
+    plan = tensors.get("plan") or _plan()
+    wgmma.moe_grouped_gate_up(tensors.get("hidden") or fake_tensor((T * K, I)),
+                              tensors.get("x") or fake_tensor((T, H)),
+                              tensors.get("gate_up") or fake_tensor((E, 2 * I, H)), *plan, K, None)
+
+
+def _down(**tensors):
+    plan = tensors.get("plan") or _plan()
+    wgmma.moe_grouped_down(tensors.get("expert_out") or fake_tensor((T * K, H), "float32"),
+                           tensors.get("hidden") or fake_tensor((T * K, I)),
+                           tensors.get("down") or fake_tensor((E, H, I)), *plan[1:], None)
+
+
+@pytest.mark.parametrize("arch,expected", [("sm_90", True), ("sm_120", False), ("sm_100", False), ("sm_89", False),
+                                           ("sm_80", False)])
+def test_wgmma_is_picked_on_sm_90_only(arch, expected):
+    assert wgmma.use_wgmma(arch) is expected
+
+
+class _Device:
+    arch, sm_count = "sm_120", 188
+
+
+def test_a_launch_off_sm_90_is_refused_before_any_kernel_loads(monkeypatch):
+    monkeypatch.setattr(wgmma, "current_device", lambda: _Device())
+    monkeypatch.setattr(wgmma, "get_kernel", lambda spec: pytest.fail(f"{spec} was loaded"))
+    with pytest.raises(ValueError, match="the wgmma expert GEMMs run on sm_90 only, this device is sm_120"):
+        _gate_up()
+    with pytest.raises(ValueError, match="run on sm_90 only"):
+        _down()
+
+
+def test_every_kernel_is_registered_for_the_half_types_and_built_with_the_rest():
+    names = {spec.name for spec in wgmma.SPECS}
+    assert names == {f"{kernel}<{c_type}>" for kernel in ("moe_grouped_gate_up_wgmma_kernel",
+                                                          "moe_grouped_down_wgmma_kernel")
+                     for c_type in ("__half", "__nv_bfloat16")}
+    assert all(spec.source == "moe_grouped_wgmma.cu" for spec in wgmma.SPECS)
+    assert set(wgmma.SPECS) <= set(compiler.all_kernel_specs())
+
+
+def test_a_source_that_tests_the_sm90a_feature_macro_is_built_for_sm90a_on_sm_90_only():
+    plain = {"k.cu": b'#include "h.cuh"\n', "h.cuh": b"__global__ void k() {}\n"}
+    featured = {**plain, "h.cuh": b"#if defined(__CUDA_ARCH_FEAT_SM90_ALL)\n#endif\n"}
+    assert compiler.target_arch(featured, "sm_90") == "sm_90a"
+    assert compiler.target_arch(plain, "sm_90") == "sm_90"
+    assert compiler.target_arch(featured, "sm_120") == "sm_120"
+
+
+@pytest.mark.parametrize("arch,target", [("sm_90", "sm_90a"), ("sm_120", "sm_120")])
+def test_the_kernels_build_for_sm90a_and_as_traps_for_sm_120(tmp_path, monkeypatch, arch, target):
+    monkeypatch.setenv("SPARKD_CACHE_DIR", str(tmp_path))
+    module = compiler.compile_specs("moe_grouped_wgmma.cu", [spec.name for spec in wgmma.SPECS], arch)
+    assert module.arch == target
+    assert (b"sm_90a" in module.cubin) is (target == "sm_90a")  # the CUBIN records its arch-specific target
+
+
+def test_the_persistent_grid_is_one_block_an_sm_or_the_most_tiles_any_routing_has():
+    # Qwen3-30B at 4096 tokens: P = 32768 over 128 experts makes up to 384 M-tiles, 6 gate_up weight tiles.
+    assert wgmma.persistent_blocks(32768, 128, 6, 132) == 132
+    # 6 pairs over 8 experts: at most 1 + 6 M-tiles, 1 weight tile.
+    assert moe_grouped_gemm.max_m_tiles(6, 8) == 7
+    assert wgmma.persistent_blocks(6, 8, 1, 132) == 7
+
+
+def test_the_ring_of_4_stages_fits_hoppers_shared_memory():
+    """Alignment slack, 4 stages of 128 activation rows and 256 weight rows of 128 bytes, 8 barriers."""
+    assert wgmma.SMEM_BYTES == 1024 + 4 * (128 + 256) * 128 + 8 * 8 == 197696
+    assert wgmma.SMEM_BYTES + RESERVED_SHARED <= HOPPER_SHARED_OPTIN
+
+
+class _Kernel:
+    name, function = "moe_grouped_down_wgmma_kernel<__nv_bfloat16>", object()
+
+
+@pytest.mark.parametrize("registers", [168, 160])
+def test_a_build_with_fewer_registers_than_the_setmaxnreg_budgets_is_refused(monkeypatch, registers):
+    """setmaxnreg moves registers within the block's pool: 128 * 56 + 256 * 224 = 384 * 168."""
+    monkeypatch.setattr(wgmma, "call", lambda fn, attribute, function: registers)
+    monkeypatch.setattr(wgmma, "_budgets_checked", set())
+    if registers >= 168:
+        wgmma._require_register_budget(_Kernel())
+    else:
+        with pytest.raises(RuntimeError, match="built with 160 registers a thread; its setmaxnreg budgets need 168"):
+            wgmma._require_register_budget(_Kernel())
+
+
+def test_the_operand_rules_are_the_grouped_gemms():
+    with pytest.raises(ValueError, match="x must be float16 or bfloat16, got float32"):
+        _gate_up(hidden=fake_tensor((T * K, I), "float32"), x=fake_tensor((T, H), "float32"),
+                 gate_up=fake_tensor((E, 2 * I, H), "float32"))
+    with pytest.raises(ValueError, match="hidden must be float16 or bfloat16, got float32"):
+        _down(hidden=fake_tensor((T * K, I), "float32"), down=fake_tensor((E, H, I), "float32"))
+    with pytest.raises(ValueError, match=r"H \(60\) must be a multiple of 8 for bfloat16"):
+        _gate_up(x=fake_tensor((T, 60)), gate_up=fake_tensor((E, 2 * I, 60)))
+    with pytest.raises(ValueError, match=r"x's row stride \(68\) must be a multiple of 8"):
+        _gate_up(x=fake_tensor((T, H), strides=(68, 1)))
+    with pytest.raises(ValueError, match="needs expert_out 16-byte aligned"):
+        _down(expert_out=fake_tensor((T * K, H), "float32", ptr=0x10008))
+    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float32, got \[6, 64\] bfloat16"):
+        _down(expert_out=fake_tensor((T * K, H)))
+
+
+def test_the_plan_tensors_must_fit_pairs_and_experts():
+    sorted_pairs, offsets, tile_starts = _plan()
+    with pytest.raises(ValueError, match=r"sorted_pairs must be \[6\] int32, got \[5\] int32"):
+        _gate_up(plan=[fake_tensor((5,), "int32"), offsets, tile_starts])
+    with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[8\] int32"):
+        _down(plan=[sorted_pairs, offsets, fake_tensor((E,), "int32")])
