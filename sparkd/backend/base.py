@@ -252,6 +252,15 @@ class Ops(Protocol):
         GEMM per expert on its group (a grouped GEMM on a GPU) and scatters the rows
         back to token order for the weighted combine."""
 
+    def sparse_moe(self, x: Tensor, x_fp32: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
+                   renormalize: bool) -> Tensor:
+        """The routed MoE block: the fp32 router GEMM, `moe_route`, then `moe_experts`.
+
+        x [T, H] (model dtype), x_fp32 [T, H] float32 (the same rows before their rounding),
+        router [E, H] float32, gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype.
+        That composition is the reference (NumpyOps); a GPU routes and aligns the pairs
+        for its grouped GEMMs in one launch."""
+
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """x + y in y's dtype; y of x's shape, in x's dtype or float32 (the residual stream,
         which stays float32: the final hidden states reach the last norm unrounded)."""

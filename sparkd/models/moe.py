@@ -57,10 +57,9 @@ class SparseMoeBlock:
 
     def forward(self, x: Tensor, x_fp32: Tensor) -> Tensor:
         """x [T, H] (model dtype), x_fp32 [T, H] (the same rows unrounded) -> sum over each
-        token's k experts of weight * expert(x), [T, H]."""
-        router_logits = self.ops.linear(x_fp32, self.router, out_dtype=np.float32)  # [T, E]
-        weights, expert_ids = self.ops.moe_route(router_logits, self.top_k, self.renormalize)  # [T, k] each
-        return self.ops.moe_experts(x, self.gate_up_proj, self.down_proj, weights, expert_ids)
+        token's k experts of weight * expert(x), [T, H]: `Ops.sparse_moe`."""
+        return self.ops.sparse_moe(x, x_fp32, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                                   self.renormalize)
 
 
 class MoeForCausalLM(DenseForCausalLM):

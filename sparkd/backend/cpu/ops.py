@@ -123,6 +123,11 @@ class NumpyOps:
                     expert_ids: np.ndarray) -> np.ndarray:
         return moe_experts(x, gate_up, down, weights, expert_ids)
 
+    def sparse_moe(self, x: np.ndarray, x_fp32: np.ndarray, router: np.ndarray, gate_up: np.ndarray,
+                   down: np.ndarray, top_k: int, renormalize: bool) -> np.ndarray:
+        weights, expert_ids = self.moe_route(self.linear(x_fp32, router), top_k, renormalize)
+        return self.moe_experts(x, gate_up, down, weights, expert_ids)
+
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return x + y
 

@@ -25,7 +25,7 @@ from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
 from .kernels import (activation, attention, elementwise, embedding, fault, gemv, moe_gemm, moe_grouped_gemm,
-                      moe_routing, norm, rope_kv, sampling)
+                      moe_grouped_wgmma, moe_routing, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
@@ -52,8 +52,6 @@ class CudaOps:
         self.gemm = Gemm(self.allocator, self.stream)
         self._rope_tables: dict[tuple, DeviceTensor] = {}
         self._inject_fault = fault.fault_requested()
-        # (expert_ids, their alignment) from the last moe_route, for the moe_experts call after it.
-        self._routed: tuple[DeviceTensor, moe_routing.MoeAlignment] | None = None
         log.info("CUDA backend on %s (%s, %d SMs, %.1f GiB), dtype %s", self.device.name, self.device.arch,
                  self.device.sm_count, self.device.total_memory / 2**30, self.dtype.name)
 
@@ -249,44 +247,56 @@ class CudaOps:
         return out
 
     def moe_route(self, router_logits: DeviceTensor, top_k: int, renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
-        num_tokens, num_experts = router_logits.shape
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
-        weights = self.allocator.empty((num_tokens, top_k), DType.float32)
-        expert_ids = self.allocator.empty((num_tokens, top_k), DType.int32)
-        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
-        # Routing and the alignment moe_experts needs in one launch at decode sizes.
-        moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
-        self._routed = (expert_ids, alignment)
+        weights, expert_ids = self._routing_outputs(router_logits.shape[0], router_logits.shape[1], top_k)
+        moe_routing.moe_route(weights, expert_ids, router_logits, renormalize, self.stream)
         return weights, expert_ids
 
     def moe_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
                     expert_ids: DeviceTensor) -> DeviceTensor:
-        """Align the (token, expert) pairs by expert, run the selected experts' GEMMs
-        (SiLU fused into gate_up) on their rows only, combine back in token order:
-        no host sync, capturable.
+        """Align the (token, expert) pairs by expert, then `_aligned_experts`: no host sync, capturable."""
+        if weights.shape != expert_ids.shape:
+            raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T, k]")
+        alignment = moe_routing.MoeAlignment.allocate(self.allocator, expert_ids.numel, gate_up.shape[0])
+        moe_routing.moe_align(alignment, expert_ids, self.stream)
+        return self._aligned_experts(x, gate_up, down, weights, alignment)
 
-        The expert GEMMs are picked on the host from shapes alone: with bf16/fp16 and at
-        least MIN_ROWS_PER_EXPERT rows per expert on average (prefill), the tensor-core
-        grouped GEMM (moe_grouped_gemm, plus its one-block tile plan); otherwise (decode,
-        fp32) the GEMV-style moe_gemm, which streams the weights at full bandwidth."""
-        num_tokens, top_k = expert_ids.shape
+    def sparse_moe(self, x: DeviceTensor, x_fp32: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
+                   down: DeviceTensor, top_k: int, renormalize: bool) -> DeviceTensor:
+        """The router GEMM (fp32), routing with its alignment in one launch, then `_aligned_experts`."""
+        num_tokens, num_experts = x.shape[0], router.shape[0]
+        router_logits = self.linear(x_fp32, router, out_dtype=np.float32)
+        weights, expert_ids = self._routing_outputs(num_tokens, num_experts, top_k)
+        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
+        moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
+        return self._aligned_experts(x, gate_up, down, weights, alignment)
+
+    def _routing_outputs(self, num_tokens: int, num_experts: int, top_k: int) -> tuple[DeviceTensor, DeviceTensor]:
+        """weights [T, k] float32 and expert_ids [T, k] int32, for a valid top_k."""
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
+        return (self.allocator.empty((num_tokens, top_k), DType.float32),
+                self.allocator.empty((num_tokens, top_k), DType.int32))
+
+    def _aligned_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
+                         alignment: moe_routing.MoeAlignment) -> DeviceTensor:
+        """The selected experts' GEMMs (SiLU fused into gate_up) on their rows only, combined back in
+        token order. The expert GEMMs are picked on the host from shapes alone: with bf16/fp16 and at
+        least MIN_ROWS_PER_EXPERT rows per expert on average (prefill), the tensor-core grouped GEMM
+        (moe_grouped_gemm's one-block tile plan, then its mma.sync kernels, or on Hopper
+        moe_grouped_wgmma's); otherwise (decode, fp32) the GEMV-style moe_gemm, which streams the
+        weights at full bandwidth."""
+        num_tokens, top_k = weights.shape
         num_experts, inter2, hidden_size = gate_up.shape
         num_pairs = num_tokens * top_k
-        routed, self._routed = self._routed, None
-        if routed is not None and routed[0] is expert_ids:
-            alignment = routed[1]  # moe_route aligned these ids already
-        else:
-            alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_pairs, num_experts)
-            moe_routing.moe_align(alignment, expert_ids, self.stream)
         hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
         expert_out = self.allocator.empty((num_pairs, hidden_size), DType.float32)
         if moe_grouped_gemm.use_grouped_gemm(num_pairs, num_experts, x.dtype):
             tile_starts = self.allocator.empty((num_experts + 1,), DType.int32)
             moe_grouped_gemm.plan_tiles(tile_starts, alignment.offsets, self.stream)
-            moe_grouped_gemm.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets,
-                                                 tile_starts, top_k, self.stream)
-            moe_grouped_gemm.moe_grouped_down(expert_out, hidden, down, alignment.offsets, tile_starts, self.stream)
+            grouped = moe_grouped_wgmma if moe_grouped_wgmma.use_wgmma(self.device.arch) else moe_grouped_gemm
+            grouped.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets, tile_starts,
+                                        top_k, self.stream)
+            grouped.moe_grouped_down(expert_out, hidden, down, alignment.offsets, tile_starts, self.stream)
         else:
             moe_gemm.moe_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets,
                                  alignment.active_experts, alignment.num_active, top_k, self.stream)
