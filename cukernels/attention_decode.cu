@@ -30,7 +30,7 @@ using namespace sparkd::attn;
 // Zero when the module loads, and zero again after every launch. Launches that
 // split must therefore not run concurrently (sparkd runs all work on one
 // stream); the launcher splits only grids of at most kMaxDecodeCounters
-// (DECODE_COUNTERS in attention.py) unsplit blocks.
+// (DECODE_COUNTERS in attention_plan.py) unsplit blocks.
 constexpr int kMaxDecodeCounters = 4096;
 __device__ unsigned decode_arrivals[kMaxDecodeCounters];
 
@@ -44,7 +44,7 @@ __device__ __forceinline__ unsigned* arrival_counter(int num_splits) {
 
 constexpr int kDecodeKeys = 64;  // keys per stage: 16 per warp
 
-// Stages in flight per head dim; mirrored by _DECODE_TILES in attention.py.
+// Stages in flight per head dim; mirrored by _DECODE_TILES in attention_plan.py.
 template <int D>
 __host__ __device__ constexpr int decode_stages() { return D <= 128 ? 2 : 1; }
 

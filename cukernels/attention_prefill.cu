@@ -17,7 +17,7 @@ using namespace sparkd;
 using namespace sparkd::attn;
 
 // Tile shape per head dim: MT m-tiles of 16 rows per warp, KEYS keys per
-// stage, STAGES stages in flight. Mirrored by _PREFILL_TILES in attention.py.
+// stage, STAGES stages in flight. Mirrored by PREFILL_TILES in attention_plan.py.
 template <int D>
 struct PrefillTile;
 template <>

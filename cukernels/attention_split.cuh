@@ -26,7 +26,7 @@ __device__ __forceinline__ int split_length(int seq_len, int num_splits, int min
 }
 
 // The keys [key_begin, key_end) that split `split` of a sequence covers, and how
-// many parts of `per_part` splits hold keys (DecodePlan.parts_used in attention.py).
+// many parts of `per_part` splits hold keys (DecodePlan.parts_used in attention_plan.py).
 // A sequence that fits in one part is written directly by that part.
 struct DecodeSplit {
   int key_begin, key_end;
@@ -128,7 +128,7 @@ __device__ __forceinline__ void merge_parts(T* out, const float* o_part, const f
 
 // ---- merges of the bf16 / fp16 decode kernel ----
 
-constexpr int kDecodeCluster = 8;  // splits per part of the bf16 / fp16 kernel: DECODE_CLUSTER in attention.py
+constexpr int kDecodeCluster = 8;  // splits per part of the bf16 / fp16 kernel: DECODE_CLUSTER in attention_plan.py
 
 // Shared memory of the final merges, laid over the freed K/V tiles (floats):
 // warp_o [kWarps][16][D], warp_m, warp_l, weight [kWarps][16], block_lse [16],

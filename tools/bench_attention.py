@@ -37,7 +37,7 @@ from cuda.bindings import driver  # noqa: E402
 
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
 from sparkd.backend.cuda.driver import call  # noqa: E402
-from sparkd.backend.cuda.kernels import attention, rope_kv  # noqa: E402
+from sparkd.backend.cuda.kernels import attention, attention_plan, rope_kv  # noqa: E402
 from sparkd.backend.cuda.ops import rope_cos_sin  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
 from sparkd.models.config import rope_config  # noqa: E402
@@ -51,7 +51,7 @@ class Bench(DeviceBench):
         super().__init__(dtype, iters)
         self.l2_bytes = call(driver.cuDeviceGetAttribute,
                              driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, self.device.handle)
-        self.last_plan: attention.DecodePlan | None = None  # the plan of the last decode case timed
+        self.last_plan: attention_plan.DecodePlan | None = None  # the plan of the last decode case timed
 
     def step(self, query_lens: list[int], seq_lens: list[int],
              max_seq_len: int | None = None) -> tuple[CudaAttentionMetadata, int]:
@@ -159,7 +159,7 @@ def print_fused_rope_table(bench: Bench, planned: int = 8192) -> None:
                     for fused in (False, True))
         saved[batch].append(two - one)
         plan = bench.last_plan
-        head_chunks = math.ceil(NUM_Q_HEADS // num_kv_heads / attention.DECODE_HEADS_PER_BLOCK)
+        head_chunks = math.ceil(NUM_Q_HEADS // num_kv_heads / attention_plan.DECODE_HEADS_PER_BLOCK)
         blocks = batch * num_kv_heads * head_chunks * plan.parts_used(context) * plan.cluster
         print(f"| planned for {planned} | {batch} | {num_kv_heads} | {context} | {'yes' if with_norm else 'no'} | "
               f"{plan.num_splits} / {plan.cluster} / {plan.num_parts} ({plan.parts_used(context)}) | {blocks} | "

@@ -25,6 +25,7 @@ from cuda.bindings import driver
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
 from sparkd.backend.cuda.driver import call
 from sparkd.backend.cuda.graphs import capture
+from sparkd.backend.cuda.kernels.attention_plan import DecodePlan
 from sparkd.backend.cuda.transfer import copy_to_device
 
 from .attention_plans import h200_plan
@@ -201,7 +202,7 @@ def test_decode_of_short_contexts_runs_unsplit(gpu, rel_error, tolerance, dtype)
     """Contexts of at most MIN_SPLIT_KEYS take the plain kernel (no cluster) on any GPU."""
     seq_lens = [1, 5, 16, 17, 64, 100, 128]
     batch = make_batch(np.random.default_rng(8), [1] * len(seq_lens), seq_lens, 12, 4, 128, 16)
-    assert h200_plan(len(seq_lens), 12, 4, 128, dtype, max(seq_lens)) == attention.DecodePlan(1, 1)
+    assert h200_plan(len(seq_lens), 12, 4, 128, dtype, max(seq_lens)) == DecodePlan(1, 1)
     out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.1, decode=True)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.1)) <= tolerance[dtype]
 
@@ -215,7 +216,7 @@ def test_decode_of_many_sequences_of_mixed_length(gpu, rel_error, tolerance, dty
     seq_lens = [1, 1100, *rng.integers(1, 1100, 30)]
     batch = make_batch(rng, [1] * len(seq_lens), seq_lens, 16, 4, 64, 16)
     if dtype == "bfloat16":
-        assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 1100) == attention.DecodePlan(8, 8)
+        assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 1100) == DecodePlan(8, 8)
     out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
 

@@ -1,6 +1,6 @@
-"""Host-side rules of the paged attention launchers (sparkd/backend/cuda/kernels/attention.py):
-the decode plan on the H200's numbers, the parts a plan uses, and the operand checks.
-No GPU: the tensors here are never launched on."""
+"""Host-side rules of the paged attention launchers (sparkd/backend/cuda/kernels/attention.py
+and attention_plan.py): the decode plan on the H200's numbers, the parts a plan uses, and
+the operand checks. No GPU: the tensors here are never launched on."""
 
 from __future__ import annotations
 
@@ -12,59 +12,60 @@ attention = pytest.importorskip("sparkd.backend.cuda.kernels.attention")
 from device_fakes import fake_tensor
 
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
+from sparkd.backend.cuda.kernels import attention_plan
 
 from .attention_plans import H200_SHARED_PER_BLOCK, h200_plan
 
 
 def test_num_splits_fill_the_gpu_only_when_the_batch_does_not():
-    assert attention.choose_num_splits(64 * 8, 1024, 132) == 1  # batch 64, 8 kv heads: 2 full waves of 2 per SM
-    assert attention.choose_num_splits(8, 100, 132) == 1  # one split of >= MIN_SPLIT_KEYS holds it all
-    splits = attention.choose_num_splits(8, 32768, 132)  # batch 1: split until most of a wave is busy
+    assert attention_plan.choose_num_splits(64 * 8, 1024, 132) == 1  # batch 64, 8 kv heads: 2 full waves of 2 per SM
+    assert attention_plan.choose_num_splits(8, 100, 132) == 1  # one split of >= MIN_SPLIT_KEYS holds it all
+    splits = attention_plan.choose_num_splits(8, 32768, 132)  # batch 1: split until most of a wave is busy
     assert 0.85 * 132 * 2 <= 8 * splits <= 132 * 2
-    assert attention.choose_num_splits(8, 1024, 132) <= 1024 // attention.MIN_SPLIT_KEYS
+    assert attention_plan.choose_num_splits(8, 1024, 132) <= 1024 // attention_plan.MIN_SPLIT_KEYS
 
 
 def test_num_splits_even_out_a_ragged_last_wave():
     # 512 blocks at 3 per SM are 1.29 waves: 8 splits make 10.3 waves of short blocks.
-    assert attention.choose_num_splits(64 * 8, 1024, 132, blocks_per_sm=3, step=8) == 8
-    assert attention.choose_num_splits(132 * 3, 1024, 132, blocks_per_sm=3, step=8) == 1  # exactly one wave
-    assert attention.choose_num_splits(8, 32768, 132, blocks_per_sm=3, step=8) % 8 == 0
+    assert attention_plan.choose_num_splits(64 * 8, 1024, 132, blocks_per_sm=3, step=8) == 8
+    assert attention_plan.choose_num_splits(132 * 3, 1024, 132, blocks_per_sm=3, step=8) == 1  # exactly one wave
+    assert attention_plan.choose_num_splits(8, 32768, 132, blocks_per_sm=3, step=8) % 8 == 0
 
 
 def test_bf16_decode_blocks_fit_three_per_h200_sm():
-    sizes = attention.AttentionSizes(1, 32, 8, 128, 16, 1, DType.bfloat16)
-    assert attention._blocks_per_sm(attention._decode_smem_bytes(sizes), H200_SHARED_PER_BLOCK) == 3
+    sizes = attention_plan.AttentionSizes(1, 32, 8, 128, 16, 1, DType.bfloat16)
+    assert attention_plan.blocks_per_sm(attention_plan.decode_smem_bytes(sizes), H200_SHARED_PER_BLOCK) == 3
 
 
 def test_llama_decode_plans_on_the_h200():
     # The rules follow the H200 measurements quoted in plan_decode's docstring.
     # Batch 1 at 1k: one cluster of 8 splits per kv head merges on chip; no workspace, no combine kernel.
-    assert h200_plan(1, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(8, 8)
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 1024) == attention_plan.DecodePlan(8, 8)
     # Batch 1 at 4k: four clusters, merged through the workspace by the last to finish.
-    assert h200_plan(1, 32, 8, 128, "bfloat16", 4096) == attention.DecodePlan(32, 8)
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 4096) == attention_plan.DecodePlan(32, 8)
     # Batch 1 at 32k: past MAX_CLUSTER_PARTS clusters, plain splits merged the same way.
     long = h200_plan(1, 32, 8, 128, "bfloat16", 32768)
-    assert long.cluster == 1 and long.num_splits > attention.MAX_CLUSTER_PARTS * attention.DECODE_CLUSTER
+    assert long.cluster == 1 and long.num_splits > attention_plan.MAX_CLUSTER_PARTS * attention_plan.DECODE_CLUSTER
     # Batch 64 fills the GPU unsplit, at any context.
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention.DecodePlan(1, 1)
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 32768) == attention.DecodePlan(1, 1)
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention_plan.DecodePlan(1, 1)
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 32768) == attention_plan.DecodePlan(1, 1)
     # fp32 splits one by one, as many as the workspace holds.
     fp32 = h200_plan(1, 32, 8, 128, "float32", 32768)
     assert fp32.cluster == 1 and fp32.num_parts == fp32.num_splits > 1
     part_numel = 32 * 129
-    assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=3 * part_numel) == attention.DecodePlan(3, 1)
+    assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=3 * part_numel) == attention_plan.DecodePlan(3, 1)
 
 
 def test_decode_without_workspace_still_splits_in_one_cluster():
-    assert h200_plan(1, 32, 8, 128, "bfloat16", 32768, workspace_numel=0) == attention.DecodePlan(8, 8)
-    assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=0) == attention.DecodePlan(1, 1)
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 32768, workspace_numel=0) == attention_plan.DecodePlan(8, 8)
+    assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=0) == attention_plan.DecodePlan(1, 1)
 
 
 def test_parts_used_follow_the_kernels_split_rule():
-    plain = attention.DecodePlan(42, 1)
+    plain = attention_plan.DecodePlan(42, 1)
     # Splits are multiples of 64 keys and at least MIN_SPLIT_KEYS long.
     assert [plain.parts_used(n) for n in (1, 128, 129, 256, 257, 8192)] == [1, 1, 2, 2, 3, 32]
-    clustered = attention.DecodePlan(32, 8)
+    clustered = attention_plan.DecodePlan(32, 8)
     assert [clustered.parts_used(n) for n in (1, 1024, 1025, 4096, 8192)] == [1, 1, 2, 4, 4]
 
 
@@ -74,17 +75,17 @@ def test_a_graph_planned_for_long_contexts_writes_128_keys_in_one_part(num_kv_he
     """The batch-1 decode graph of an engine with max_model_len plan_len: at 128 keys one
     block per kv head writes out, so the call costs about one short launch."""
     plan = h200_plan(1, 32, num_kv_heads, 128, "bfloat16", plan_len)
-    assert plan.num_parts > 1 and plan.num_splits <= attention.MAX_SPLITS
+    assert plan.num_parts > 1 and plan.num_splits <= attention_plan.MAX_SPLITS
     assert plan.parts_used(128) == 1
     assert 1 < plan.parts_used(plan_len) <= plan.num_parts
 
 
 def test_batches_beyond_the_arrival_counters_are_not_split():
     """Even where more SMs than the kernels' arrival counters would ask for splits."""
-    num_seqs = attention.DECODE_COUNTERS // 8  # one counter per (sequence, kv head)
-    sizes = attention.AttentionSizes(num_seqs, 32, 8, 128, 16, num_seqs, DType.bfloat16)
-    plan = attention.plan_decode(sizes, 32768, 2 * attention.DECODE_COUNTERS, H200_SHARED_PER_BLOCK, 1 << 40)
-    assert plan == attention.DecodePlan(1, 1)
+    num_seqs = attention_plan.DECODE_COUNTERS // 8  # one counter per (sequence, kv head)
+    sizes = attention_plan.AttentionSizes(num_seqs, 32, 8, 128, 16, num_seqs, DType.bfloat16)
+    plan = attention_plan.plan_decode(sizes, 32768, 2 * attention_plan.DECODE_COUNTERS, H200_SHARED_PER_BLOCK, 1 << 40)
+    assert plan == attention_plan.DecodePlan(1, 1)
 
 def _meta(num_seqs, max_query_len=1):
     return CudaAttentionMetadata(fake_tensor((num_seqs + 1,), "int32"), fake_tensor((num_seqs,), "int32"),

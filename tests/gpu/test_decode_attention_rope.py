@@ -33,6 +33,7 @@ from device_fakes import fake_tensor  # noqa: E402
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
 from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.kernels import rope_kv  # noqa: E402
+from sparkd.backend.cuda.kernels.attention_plan import AttentionSizes, DecodePlan, plan_decode  # noqa: E402
 from sparkd.backend.cuda.ops import rope_cos_sin  # noqa: E402
 from sparkd.backend.cuda.transfer import copy_to_device, decode, encode  # noqa: E402
 
@@ -240,11 +241,10 @@ def test_graph_replays_equal_the_two_kernels(gpu, rel_error, tolerance, dtype, n
 
 # ---- host-side rules: no GPU needed ----
 
-def h200_fused_plan(num_seqs: int, num_kv_heads: int, dtype: str, plan_len: int) -> attention.DecodePlan:
+def h200_fused_plan(num_seqs: int, num_kv_heads: int, dtype: str, plan_len: int) -> DecodePlan:
     """decode_attention_rope's plan for 32 query heads of 128 on the H200's numbers."""
-    sizes = attention.AttentionSizes(num_seqs, 32, num_kv_heads, 128, 16, num_seqs, DType.parse(dtype),
-                                     fused_rope=True)
-    return attention.plan_decode(sizes, plan_len, H200_SMS, H200_SHARED_PER_BLOCK, 1 << 40)
+    sizes = AttentionSizes(num_seqs, 32, num_kv_heads, 128, 16, num_seqs, DType.parse(dtype), fused_rope=True)
+    return plan_decode(sizes, plan_len, H200_SMS, H200_SHARED_PER_BLOCK, 1 << 40)
 
 
 @pytest.mark.parametrize("num_seqs,num_kv_heads,plan_len,cluster", [

@@ -5,8 +5,10 @@ Each module exposes `SPECS` (every template instantiation it may launch, which
 their preconditions, pick the instantiation and grid, and enqueue on a stream.
 Outputs are passed in preallocated, so launches can be captured in CUDA graphs.
 
-Modules: activation, attention, embedding, gemv, moe_gemm, moe_routing, norm,
-rope_kv, sampling (plus elementwise, owned by the runtime, and fault, a test-only trap).
+Modules: activation, attention, embedding, gemv, moe_gemm, moe_grouped_gemm,
+moe_grouped_wgmma, moe_routing, norm, rope_kv, sampling (plus elementwise, owned by the
+runtime; fault, a test-only trap; and attention_plan, attention's decode split plan,
+which launches nothing and has no SPECS).
 
 This file holds what the launchers share: the element types the kernels are
 templated on and the choice of vector width.
