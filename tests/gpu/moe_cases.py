@@ -1,10 +1,11 @@
 """Routing cases and the float64 reference shared by the expert GEMM tests
-(test_moe_gemm.py, test_moe_grouped_gemm.py): host copies of what the alignment kernel
-makes, so those tests do not depend on it."""
+(test_moe_gemm.py, test_moe_grouped_gemm.py, test_moe_grouped_wgmma.py): host copies of what
+the alignment kernel makes, so those tests do not depend on it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -55,6 +56,120 @@ def random_expert_weights(gpu, rng, num_experts, hidden, inter, dtype, idle):
     down = rng.standard_normal((num_experts, hidden, inter), dtype=np.float32) / np.sqrt(inter)
     gate_up[idle], down[idle] = np.nan, np.nan
     return gpu.upload(gate_up, dtype), gpu.upload(down, dtype)
+
+
+# (H, I): whole 16-byte chunks, but no K a multiple of the 64-wide K slice, no N of the 128/256 tile
+ODD = (200, 88)
+
+
+def cached_expert_weights(gpu):
+    """(E, H, I, dtype) -> (gate_up, down) on the device and their host copies, all experts finite;
+    cached, as the Qwen3-shaped sets take seconds to draw."""
+
+    @cache
+    def make(num_experts: int, hidden_size: int, inter: int, dtype: str):
+        rng = np.random.default_rng(num_experts + hidden_size + inter)
+        gate_up_dev, down_dev = random_expert_weights(gpu, rng, num_experts, hidden_size, inter, dtype, idle=[])
+        return gate_up_dev, down_dev, gpu.download(gate_up_dev), gpu.download(down_dev)
+
+    return make
+
+
+def random_tokens(gpu, rng, num_tokens, hidden_size, dtype):
+    """x [T, H] on the device and its host copy as the device holds it."""
+    x_dev = gpu.upload(rng.standard_normal((num_tokens, hidden_size), dtype=np.float32), dtype)
+    return x_dev, gpu.download(x_dev)
+
+
+def run_grouped(gpu, gemms, x_dev, gate_up_dev, down_dev, routing: Routing, *options):
+    """moe_grouped_gemm's tile plan, then gemms' (moe_grouped_gemm or moe_grouped_wgmma) gate_up and
+    down, each given `options` after the stream: (hidden [P, I], expert_out [P, H], tile_starts
+    [E + 1]) as numpy."""
+    from sparkd.backend.cuda.kernels import moe_grouped_gemm
+    from sparkd.backend.dtypes import DType
+
+    sorted_pairs, offsets, _, _ = routing.upload(gpu)
+    num_experts, inter2, hidden_size = gate_up_dev.shape
+    num_pairs = routing.sorted_pairs.size
+    tile_starts = gpu.empty((num_experts + 1,), DType.int32)
+    hidden = gpu.empty((num_pairs, inter2 // 2), x_dev.dtype)
+    expert_out = gpu.empty((num_pairs, hidden_size), DType.float32)
+    moe_grouped_gemm.plan_tiles(tile_starts, offsets, gpu.stream)
+    gemms.moe_grouped_gate_up(hidden, x_dev, gate_up_dev, sorted_pairs, offsets, tile_starts,
+                              routing.expert_ids.shape[1], gpu.stream, *options)
+    gemms.moe_grouped_down(expert_out, hidden, down_dev, offsets, tile_starts, gpu.stream, *options)
+    return gpu.download(hidden), gpu.download(expert_out), gpu.download(tile_starts)
+
+
+def one_expert_takes_every_token(gpu, num_tokens: int, top_k: int):
+    """(routing, x_dev, x, weights) where every token picks expert 77 first (and 3 or 100 second
+    with top_k 2): 16 full 128-row M-tiles of one expert, or 2 and a last tile of one row; the
+    125 experts no token chose hold NaN, so reading any of them shows."""
+    rng = np.random.default_rng(2)
+    expert_ids = np.full((num_tokens, top_k), 77, np.int32)
+    if top_k == 2:
+        expert_ids[:, 1] = rng.choice([3, 100], size=num_tokens)
+    idle = np.setdiff1d(np.arange(128), [3, 77, 100])
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 128, *ODD, "bfloat16", idle=idle)
+    x_dev, x = random_tokens(gpu, rng, num_tokens, ODD[0], "bfloat16")
+    return (Routing.of(expert_ids, 128), x_dev, x,
+            (gate_up_dev, down_dev, gpu.download(gate_up_dev), gpu.download(down_dev)))
+
+
+def check_idle_experts_and_spaced_rows(gpu, rel_error, tolerance, dtype, run_and_check):
+    """Tokens choose among 4 of 16 experts; the other 12 hold NaN. x is a column slice of a wider
+    matrix. run_and_check(x_dev, x, weights, routing) -> expert_out runs a kernel family and
+    checks its outputs; weighting each token's rows must then give the numpy twin's moe_experts."""
+    from sparkd.backend.cpu.moe import moe_experts
+
+    rng = np.random.default_rng(1)
+    routing = Routing.of(random_choices(rng, 300, 2, np.array([1, 2, 9, 15])), 16)
+    idle = np.setdiff1d(np.arange(16), [1, 2, 9, 15])
+    gate_up_dev, down_dev = random_expert_weights(gpu, rng, 16, *ODD, dtype, idle=idle)
+    wide = gpu.upload(rng.standard_normal((300, ODD[0] + 24), dtype=np.float32), dtype)
+    x_dev = wide.column_slice(8, ODD[0])
+    x, gate_up, down = gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev)
+    expert_out = run_and_check(x_dev, x, (gate_up_dev, down_dev, gate_up, down), routing)
+    weights = rng.random((300, 2), dtype=np.float32)
+    combined = (weights[..., None] * expert_out[routing.row_of_pair].reshape(300, 2, ODD[0])).sum(axis=1)
+    assert rel_error(combined, moe_experts(x, gate_up, down, weights, routing.expert_ids)) <= tolerance[dtype]
+
+
+def check_replay_with_new_routing(gpu, rel_error, tolerance, expert_weights, kernels):
+    """`kernels` (moe_grouped_gemm or moe_grouped_wgmma) after the tile plan, captured once for an
+    even routing, replayed for one where two experts take every pair: their grids depend on
+    (P, E, N) and the device only, whatever the routing."""
+    from sparkd.backend.cuda.graphs import capture
+    from sparkd.backend.cuda.kernels import moe_grouped_gemm
+    from sparkd.backend.cuda.transfer import copy_to_device
+    from sparkd.backend.dtypes import DType
+
+    rng = np.random.default_rng(4)
+    num_tokens, top_k, num_experts = 200, 2, 8
+    first = Routing.of(random_choices(rng, num_tokens, top_k, np.arange(num_experts)), num_experts)
+    second = Routing.of(random_choices(rng, num_tokens, top_k, np.array([0, 6])), num_experts)
+    gate_up_dev, down_dev, gate_up, down = expert_weights(num_experts, *ODD, "bfloat16")
+    x_dev, x = random_tokens(gpu, rng, num_tokens, ODD[0], "bfloat16")
+    sorted_pairs, offsets, _, _ = first.upload(gpu)
+    tile_starts = gpu.empty((num_experts + 1,), DType.int32)
+    hidden = gpu.empty((num_tokens * top_k, ODD[1]), DType.bfloat16)
+    expert_out = gpu.empty((num_tokens * top_k, ODD[0]), DType.float32)
+
+    def launch():
+        moe_grouped_gemm.plan_tiles(tile_starts, offsets, gpu.stream)
+        kernels.moe_grouped_gate_up(hidden, x_dev, gate_up_dev, sorted_pairs, offsets, tile_starts, top_k, gpu.stream)
+        kernels.moe_grouped_down(expert_out, hidden, down_dev, offsets, tile_starts, gpu.stream)
+
+    launch()  # load the kernels outside the capture, as the warm-up does
+    graph, _ = capture(gpu.stream, launch)
+    try:
+        copy_to_device(sorted_pairs, second.sorted_pairs, gpu.stream)
+        copy_to_device(offsets, second.offsets, gpu.stream)
+        graph.replay(gpu.stream)
+        _, expected = reference(x, gate_up, down, second)
+        assert rel_error(gpu.download(expert_out), expected) <= tolerance["bfloat16"]
+    finally:
+        graph.destroy()
 
 
 def reference(x, gate_up, down, routing: Routing):
