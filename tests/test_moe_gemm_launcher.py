@@ -9,26 +9,17 @@ import pytest
 pytest.importorskip("cuda.bindings")
 
 from device_fakes import fake_tensor
+from moe_launcher_fakes import E, H, I, K, T, call_down, call_gate_up, gemm_routing
 
 from sparkd.backend.cuda.kernels import moe_gemm
 
-T, K, E, H, I = 3, 2, 8, 64, 32  # P = 6 pairs
+
+def _gate_up(routing=None, **operands):
+    call_gate_up(moe_gemm.moe_gate_up, routing or gemm_routing(), **operands)
 
 
-def _routing(num_pairs=T * K, num_experts=E):
-    """sorted_pairs, offsets, active_experts, num_active."""
-    return [fake_tensor((num_pairs,), "int32"), fake_tensor((num_experts + 1,), "int32"),
-            fake_tensor((min(num_experts, num_pairs),), "int32"), fake_tensor((1,), "int32")]
-
-
-def _gate_up(hidden=None, x=None, gate_up=None, routing=None, top_k=K):
-    moe_gemm.moe_gate_up(hidden or fake_tensor((T * K, I)), x or fake_tensor((T, H)), gate_up or fake_tensor((E, 2 * I, H)),
-                         *(routing or _routing()), top_k, None)
-
-
-def _down(expert_out=None, hidden=None, down=None, routing=None):
-    moe_gemm.moe_down(expert_out or fake_tensor((T * K, H), "float32"), hidden or fake_tensor((T * K, I)),
-                      down or fake_tensor((E, H, I)), *(routing or _routing())[1:], None)
+def _down(routing=None, **operands):
+    call_down(moe_gemm.moe_down, routing or gemm_routing(), **operands)
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,tile", [
@@ -68,7 +59,7 @@ def test_k_must_be_whole_16_byte_chunks():
 def test_one_token_needs_no_row_stride():
     with pytest.raises(ValueError, match="needs gate_up 16-byte aligned"):  # past the stride check, stopped after
         _gate_up(hidden=fake_tensor((K, I)), x=fake_tensor((1, H), strides=(68, 1)), gate_up=fake_tensor((E, 2 * I, H), ptr=0x10008),
-                 routing=_routing(K))
+                 routing=gemm_routing(K))
 
 
 def test_operands_must_be_16_byte_aligned():
@@ -100,7 +91,7 @@ def test_shapes_and_dtypes_must_agree():
 
 
 def test_routing_tensors_must_fit_pairs_and_experts():
-    sorted_pairs, offsets, active, num_active = _routing()
+    sorted_pairs, offsets, active, num_active = gemm_routing()
     with pytest.raises(ValueError, match=r"sorted_pairs must be \[6\] int32, got \[5\] int32"):
         _gate_up(routing=[fake_tensor((5,), "int32"), offsets, active, num_active])
     with pytest.raises(ValueError, match=r"offsets must be \[9\] int32, got \[9\] int64"):

@@ -10,26 +10,18 @@ import pytest
 pytest.importorskip("cuda.bindings")
 
 from device_fakes import fake_tensor
+from moe_launcher_fakes import E, H, I, K, T, call_down, call_gate_up, grouped_plan
 
 from sparkd.backend.cuda.kernels import moe_grouped_gemm as grouped
 from sparkd.backend.dtypes import DType
 
-T, K, E, H, I = 3, 2, 8, 64, 32  # P = 6 pairs
+
+def _gate_up(plan=None, **operands):
+    call_gate_up(grouped.moe_grouped_gate_up, plan or grouped_plan(), **operands)
 
 
-def _plan(num_pairs=T * K, num_experts=E):
-    """sorted_pairs, offsets, tile_starts."""
-    return [fake_tensor((num_pairs,), "int32"), fake_tensor((num_experts + 1,), "int32"), fake_tensor((num_experts + 1,), "int32")]
-
-
-def _gate_up(hidden=None, x=None, gate_up=None, plan=None, top_k=K):
-    grouped.moe_grouped_gate_up(hidden or fake_tensor((T * K, I)), x or fake_tensor((T, H)), gate_up or fake_tensor((E, 2 * I, H)),
-                                *(plan or _plan()), top_k, None)
-
-
-def _down(expert_out=None, hidden=None, down=None, plan=None):
-    grouped.moe_grouped_down(expert_out or fake_tensor((T * K, H), "float32"), hidden or fake_tensor((T * K, I)),
-                             down or fake_tensor((E, H, I)), *(plan or _plan())[1:], None)
+def _down(plan=None, **operands):
+    call_down(grouped.moe_grouped_down, plan or grouped_plan(), **operands)
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,dtype,expected", [
@@ -65,7 +57,7 @@ def test_the_pipeline_is_as_deep_as_the_devices_shared_memory_allows():
     with pytest.raises(ValueError, match="need 98304 bytes of shared memory per block, this device allows 65536"):
         grouped.pipeline_stages(65536)
     with pytest.raises(ValueError, match=r"stages must be one of \(4, 2\) or None, got 3"):
-        grouped.moe_grouped_down(fake_tensor((T * K, H), "float32"), fake_tensor((T * K, I)), fake_tensor((E, H, I)), *_plan()[1:],
+        grouped.moe_grouped_down(fake_tensor((T * K, H), "float32"), fake_tensor((T * K, I)), fake_tensor((E, H, I)), *grouped_plan()[1:],
                                  None, stages=3)
 
 
@@ -113,7 +105,7 @@ def test_shapes_and_dtypes_must_agree():
 
 
 def test_plan_tensors_must_fit_pairs_and_experts():
-    sorted_pairs, offsets, tile_starts = _plan()
+    sorted_pairs, offsets, tile_starts = grouped_plan()
     with pytest.raises(ValueError, match=r"sorted_pairs must be \[6\] int32, got \[5\] int32"):
         _gate_up(plan=[fake_tensor((5,), "int32"), offsets, tile_starts])
     with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[8\] int32"):

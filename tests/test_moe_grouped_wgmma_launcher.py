@@ -10,34 +10,22 @@ import pytest
 pytest.importorskip("cuda.bindings.nvrtc")
 
 from device_fakes import fake_tensor
+from moe_launcher_fakes import E, H, I, K, T, call_down, call_gate_up, grouped_plan
 
 from sparkd.backend.cuda import compiler
 from sparkd.backend.cuda.kernels import moe_grouped_gemm
 from sparkd.backend.cuda.kernels import moe_grouped_wgmma as wgmma
 
-T, K, E, H, I = 3, 2, 8, 64, 32  # P = 6 pairs
 HOPPER_SHARED_OPTIN = 232448  # 227 KiB a block
 RESERVED_SHARED = 1024  # what sm_90 keeps of each block's shared memory
 
 
-def _plan(num_pairs=T * K, num_experts=E):
-    """sorted_pairs, offsets, tile_starts."""
-    return [fake_tensor((num_pairs,), "int32"), fake_tensor((num_experts + 1,), "int32"),
-            fake_tensor((num_experts + 1,), "int32")]
+def _gate_up(plan=None, **operands):
+    call_gate_up(wgmma.moe_grouped_gate_up, plan or grouped_plan(), **operands)
 
 
-def _gate_up(**tensors):
-    plan = tensors.get("plan") or _plan()
-    wgmma.moe_grouped_gate_up(tensors.get("hidden") or fake_tensor((T * K, I)),
-                              tensors.get("x") or fake_tensor((T, H)),
-                              tensors.get("gate_up") or fake_tensor((E, 2 * I, H)), *plan, K, None)
-
-
-def _down(**tensors):
-    plan = tensors.get("plan") or _plan()
-    wgmma.moe_grouped_down(tensors.get("expert_out") or fake_tensor((T * K, H), "float32"),
-                           tensors.get("hidden") or fake_tensor((T * K, I)),
-                           tensors.get("down") or fake_tensor((E, H, I)), *plan[1:], None)
+def _down(plan=None, **operands):
+    call_down(wgmma.moe_grouped_down, plan or grouped_plan(), **operands)
 
 
 @pytest.mark.parametrize("arch,expected", [("sm_90", True), ("sm_120", False), ("sm_100", False), ("sm_89", False),
@@ -131,7 +119,7 @@ def test_the_operand_rules_are_the_grouped_gemms():
 
 
 def test_the_plan_tensors_must_fit_pairs_and_experts():
-    sorted_pairs, offsets, tile_starts = _plan()
+    sorted_pairs, offsets, tile_starts = grouped_plan()
     with pytest.raises(ValueError, match=r"sorted_pairs must be \[6\] int32, got \[5\] int32"):
         _gate_up(plan=[fake_tensor((5,), "int32"), offsets, tile_starts])
     with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[8\] int32"):

@@ -117,22 +117,21 @@ def test_fused_qk_norm_with_attention_scaling(gpu, rel_error, tolerance):
                          with_norm=True)
 
 
-def test_rejects_odd_rotary_dim(gpu):
-    q = gpu.empty((1, 2, 8), "float32")
-    k = gpu.empty((1, 1, 8), "float32")
+def _write_one_token(gpu, cos_sin_width: int, qk_norm=None) -> None:
+    """rope_write_kv on one token (2 q heads, 1 kv head, D 8, fp32) with a cos/sin table of
+    `cos_sin_width` columns: what the precondition tests vary."""
+    q, k = gpu.empty((1, 2, 8), "float32"), gpu.empty((1, 1, 8), "float32")
     cache = gpu.empty((1, 1, 4, 8), "float32")
     ids = gpu.upload(np.zeros(1, np.int32))
+    rope_kv.rope_write_kv(gpu.empty((1, 2, 8), "float32"), q, k, k, ids, gpu.empty((4, cos_sin_width), "float32"),
+                          cache, cache, ids, gpu.stream, qk_norm)
+
+
+def test_rejects_odd_rotary_dim(gpu):
     with pytest.raises(ValueError, match="rotary_dim must be even"):
-        rope_kv.rope_write_kv(gpu.empty((1, 2, 8), "float32"), q, k, k, ids, gpu.empty((4, 3), "float32"),
-                              cache, cache, ids, gpu.stream)
+        _write_one_token(gpu, cos_sin_width=3)
 
 
 def test_rejects_norm_weight_of_wrong_size(gpu):
-    q = gpu.empty((1, 2, 8), "float32")
-    k = gpu.empty((1, 1, 8), "float32")
-    cache = gpu.empty((1, 1, 4, 8), "float32")
-    ids = gpu.upload(np.zeros(1, np.int32))
     with pytest.raises(ValueError, match="k_norm must be"):
-        rope_kv.rope_write_kv(gpu.empty((1, 2, 8), "float32"), q, k, k, ids, gpu.empty((4, 8), "float32"),
-                              cache, cache, ids, gpu.stream, (gpu.empty((8,), "float32"), gpu.empty((4,), "float32"),
-                                                              1e-6))
+        _write_one_token(gpu, cos_sin_width=8, qk_norm=(gpu.empty((8,), "float32"), gpu.empty((4,), "float32"), 1e-6))
