@@ -24,7 +24,7 @@ from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
-from .kernels import (activation, attention, elementwise, embedding, fault, gemv, moe_gemm, moe_grouped_gemm,
+from .kernels import (activation, attention, attention_prefill_wgmma, elementwise, embedding, fault, gemv, moe_gemm, moe_grouped_gemm,
                       moe_grouped_wgmma, moe_routing, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
@@ -215,7 +215,11 @@ class CudaOps:
                   attn: CudaAttentionMetadata, scale: float) -> DeviceTensor:
         out = self.allocator.empty(q.shape, q.dtype)
         if not attn.is_decode_only:
-            attention.prefill_attention(out, q, k_cache, v_cache, attn, scale, self.stream)
+            prefill = (attention_prefill_wgmma.prefill_attention_wgmma
+                       if attention_prefill_wgmma.use_wgmma_prefill(self.device.arch, q.dtype, q.shape[2],
+                                                                     attn.max_query_len)
+                       else attention.prefill_attention)
+            prefill(out, q, k_cache, v_cache, attn, scale, self.stream)
             return out
         # Split-K partials; freed when this returns, so every layer reuses the same block.
         numel = attention.decode_workspace_numel(q, k_cache, attn)
