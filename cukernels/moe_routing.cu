@@ -340,6 +340,71 @@ __global__ void __launch_bounds__(kFusedThreads)
                  num_experts, s, s_scratch);
 }
 
+// ---- routing and alignment by one warp ----
+
+// moe_route_align_kernel's outputs for a decode step's few pairs (T * k <= 32) by one warp,
+// with no block barrier: lane p holds pair p. Its rank among its expert's pairs is the
+// number of lower lanes that share the expert (the stable order), its expert's offset the
+// number of pairs of lower experts; each expert's lowest lane places it among the active ones.
+// Launch: one block of 32 threads; limits as moe_route_kernel, and T * k <= 32.
+template <typename T>
+__global__ void __launch_bounds__(32)
+    moe_route_align_warp_kernel(float* __restrict__ weights, int* __restrict__ expert_ids,
+                                int* __restrict__ offsets, int* __restrict__ sorted_pairs,
+                                int* __restrict__ row_of_pair, int* __restrict__ active_experts,
+                                int* __restrict__ num_active, const T* __restrict__ router_logits, int num_tokens,
+                                int num_experts, int top_k, long long ld_logits, int renormalize) {
+  const int lane = threadIdx.x;
+  const int num_pairs = num_tokens * top_k;
+  int my_expert = kMaxExperts;  // lanes past the pairs sort after every expert
+  for (int token = 0; token < num_tokens; ++token) {
+    int expert;
+    float weight;
+    route_token(router_logits + token * ld_logits, num_experts, top_k, renormalize, expert, weight);
+    // Lane j of the routing warp holds choice j; it belongs to pair (lane) token * k + j.
+    const int choice = lane - token * top_k;
+    const bool mine = choice >= 0 && choice < top_k;
+    expert = __shfl_sync(kFullMask, expert, mine ? choice : 0);
+    weight = __shfl_sync(kFullMask, weight, mine ? choice : 0);
+    if (mine) {
+      my_expert = expert;
+      weights[lane] = weight;
+      expert_ids[lane] = expert;
+    }
+  }
+
+  const unsigned peers = __match_any_sync(kFullMask, my_expert);
+  const bool leader = lane < num_pairs && __ffs(peers) - 1 == lane;  // the expert's first pair
+  const unsigned leaders = __ballot_sync(kFullMask, leader);
+  int lower_pairs = 0, lower_experts = 0;  // of lower experts than this lane's
+  int counts[kSlots] = {};                 // offsets[lane + 32 * i]: the pairs of lower experts
+  for (int q = 0; q < num_pairs; ++q) {
+    const int other = __shfl_sync(kFullMask, my_expert, q);
+    lower_pairs += other < my_expert;
+    lower_experts += ((leaders >> q) & 1u) && other < my_expert;
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i) {
+      if (32 * i >= num_experts) break;
+      counts[i] += other < lane + 32 * i;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kSlots; ++i) {
+    if (32 * i >= num_experts) break;
+    if (lane + 32 * i < num_experts) offsets[lane + 32 * i] = counts[i];
+  }
+  if (lane < num_pairs) {
+    const int row = lower_pairs + __popc(peers & ((1u << lane) - 1u));
+    row_of_pair[lane] = row;
+    sorted_pairs[row] = lane;
+  }
+  if (leader) active_experts[lower_experts] = my_expert;
+  if (lane == 0) {
+    offsets[num_experts] = num_pairs;
+    *num_active = __popc(leaders);
+  }
+}
+
 // ---- combine ----
 
 // out [T, H] in T = sum over j = 0 .. k-1 of weights[t, j] * expert_out[row_of_pair[t * k + j], :],

@@ -61,6 +61,27 @@ def test_route_rejects_bad_operands(logits, weights, expert_ids, message):
         route(logits, weights, expert_ids)
 
 
+class _RecordedLaunch:
+    def __init__(self, spec, launches):
+        self.spec, self.launches = spec, launches
+
+    def launch(self, grid, block, args, stream=None):
+        self.launches.append((self.spec.name, grid, block))
+
+
+@pytest.mark.parametrize("num_tokens,top_k,expected", [
+    (1, 8, ("moe_route_align_warp_kernel<float>", 1, 32)), (4, 8, ("moe_route_align_warp_kernel<float>", 1, 32)),
+    (32, 1, ("moe_route_align_warp_kernel<float>", 1, 32)), (5, 8, ("moe_route_align_kernel<float>", 1, 512)),
+    (16, 8, ("moe_route_align_kernel<float>", 1, 512))])
+def test_route_align_takes_one_warp_up_to_32_pairs(monkeypatch, num_tokens, top_k, expected):
+    launches = []
+    monkeypatch.setattr(moe_routing, "get_kernel", lambda spec: _RecordedLaunch(spec, launches))
+    alignment = MoeAlignment.allocate(FakeAllocator(), num_tokens * top_k, 128)
+    moe_routing.moe_route_align(fake((num_tokens, top_k)), fake((num_tokens, top_k), "int32"), alignment,
+                                fake((num_tokens, 128)), True, None)
+    assert launches == [expected]
+
+
 def test_alignment_views_share_one_allocation():
     allocator = FakeAllocator()
     alignment = MoeAlignment.allocate(allocator, num_pairs=12, num_experts=64)

@@ -7,8 +7,8 @@
   order of pairs, row_of_pair the inverse of sorted_pairs, the active experts in
   order; with one block (P <= 2048) and with the count and scatter kernels, P = 1
   to 32768, E = 8 to 1024.
-- Routing and alignment in one call (`moe_route_align`, one launch up to FUSED_MAX_TOKENS (16) tokens):
-  bit for bit what moe_route returns, aligned as above.
+- Routing and alignment in one call (`moe_route_align`, one launch up to FUSED_MAX_TOKENS (16) tokens,
+  by one warp up to WARP_MAX_PAIRS (32) pairs): bit for bit what moe_route returns, aligned as above.
 - Combine against a float32 numpy loop that rounds each product and sum as the
   kernel does: bit-exact, also after rounding to bf16/fp16.
 - The whole chain, with a stand-in for the expert GEMMs, captured in a CUDA graph
@@ -252,17 +252,20 @@ def check_route_align(gpu, logits_dev, top_k: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 8), (1, 8, 128), (7, 2, 8), (16, 10, 512),
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 8), (1, 8, 128), (7, 2, 8), (4, 8, 128),
+                                                          (32, 1, 1024), (3, 5, 33), (5, 8, 128), (16, 10, 512),
                                                           (16, 8, 128), (16, 16, 1024), (17, 8, 128), (64, 8, 128)])
 def test_route_align_matches_route_then_align(gpu, dtype, num_tokens, top_k, num_experts):
-    """One launch up to 16 tokens (the most pairs, 256, at k = 16); 17 and more take two."""
+    """One warp up to 32 pairs (one, a lane each, all of them, E not a multiple of 32), one
+    block up to 16 tokens (the most pairs, 256, at k = 16); 17 and more take two launches."""
     rng = np.random.default_rng(num_tokens * 7 + top_k + num_experts)
     check_route_align(gpu, gpu.upload(separated_logits(rng, num_tokens, num_experts), dtype), top_k)
 
 
 @pytest.mark.gpu
-def test_route_align_with_idle_experts_and_one_expert_for_every_token(gpu):
-    num_tokens, top_k, num_experts, hot = 16, 8, 128, 77
+@pytest.mark.parametrize("num_tokens", [4, 16])  # the warp's and the block's kernel
+def test_route_align_with_idle_experts_and_one_expert_for_every_token(gpu, num_tokens):
+    top_k, num_experts, hot = 8, 128, 77
     logits = separated_logits(np.random.default_rng(8), num_tokens, num_experts)
     logits[:, 20:] -= 50.0  # experts 20.. are never chosen
     logits[:, hot] += 100.0  # nor is expert 77 ever passed over

@@ -6,7 +6,7 @@ A MoE block on the device runs, all on one stream and graph-capturable:
       (the twin of sparkd.backend.cpu.moe.moe_route), and the T*k (token, expert)
       pairs sorted by expert into a `MoeAlignment` (the twin of group_by_expert, plus
       the inverse map and the active experts): one launch up to FUSED_MAX_TOKENS
-      tokens, else moe_route then moe_align;
+      tokens (one warp's up to WARP_MAX_PAIRS pairs), else moe_route then moe_align;
   the expert GEMMs (moe_gemm.py), writing expert_out [P, H] float32 in expert order;
   moe_combine(out, expert_out, weights, row_of_pair, stream)
       out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]], [T, H].
@@ -43,6 +43,7 @@ MAX_TOP_K = 16  # kMaxTopK
 # launches, at 64 tokens 18.3 us against 7.5 us (one block routes them 4 a warp); at up
 # to 16 every routing warp has one token at most, as at 1.
 FUSED_MAX_TOKENS = 16
+WARP_MAX_PAIRS = 32  # up to here one warp routes and aligns (moe_route_align_warp_kernel), a pair a lane
 ONE_BLOCK_MAX_PAIRS = 2048  # more pairs are aligned by the count and scatter kernels
 _ROUTE_WARPS = 4  # kRouteWarps: tokens per block
 _RANK_THREADS = 256  # kRankThreads: the alignment blocks
@@ -68,11 +69,16 @@ def _route_align_spec(dtype: DType) -> KernelSpec:
     return KernelSpec(_SOURCE, f"moe_route_align_kernel<{dtype.c_type}>")
 
 
+def _route_align_warp_spec(dtype: DType) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"moe_route_align_warp_kernel<{dtype.c_type}>")
+
+
 def _combine_spec(dtype: DType, width: int) -> KernelSpec:
     return KernelSpec(_SOURCE, f"moe_combine_kernel<{dtype.c_type}, {width}>")
 
 
-SPECS = ([spec(dtype) for spec in (_route_spec, _route_align_spec) for dtype in ELEMENT_TYPES]
+SPECS = ([spec(dtype) for spec in (_route_spec, _route_align_spec, _route_align_warp_spec)
+          for dtype in ELEMENT_TYPES]
          + [_ALIGN, _ALIGN_COUNT, _ALIGN_SCATTER]
          + [_combine_spec(dtype, width) for dtype in ELEMENT_TYPES for width in (1, _COMBINE_WIDTH)])
 
@@ -206,20 +212,22 @@ def moe_align(alignment: MoeAlignment, expert_ids: DeviceTensor, stream: Stream)
 def moe_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: MoeAlignment,
                     router_logits: DeviceTensor, renormalize: bool, stream: Stream) -> None:
     """`moe_route` then `moe_align` of its expert_ids into `alignment` (sized for T*k pairs
-    and E experts), with the same results; up to FUSED_MAX_TOKENS tokens in one launch."""
+    and E experts), with the same results; in one launch up to WARP_MAX_PAIRS pairs or
+    FUSED_MAX_TOKENS tokens."""
     _check_route(weights, expert_ids, router_logits)
     num_tokens, num_experts = router_logits.shape
     top_k = weights.shape[1]
     require((alignment.num_pairs, alignment.num_experts) == (num_tokens * top_k, num_experts),
             f"the alignment is sized for {alignment.num_pairs} pairs of {alignment.num_experts} experts, the routing "
             f"makes {num_tokens * top_k} pairs of {num_experts}")
-    if num_tokens > FUSED_MAX_TOKENS:
+    args = [weights, expert_ids, *alignment.outputs(), *_route_args(router_logits, top_k, renormalize)]
+    if num_tokens * top_k <= WARP_MAX_PAIRS:
+        get_kernel(_route_align_warp_spec(router_logits.dtype)).launch(1, 32, args, stream=stream)
+    elif num_tokens <= FUSED_MAX_TOKENS:
+        get_kernel(_route_align_spec(router_logits.dtype)).launch(1, _FUSED_THREADS, args, stream=stream)
+    else:
         moe_route(weights, expert_ids, router_logits, renormalize, stream)
         moe_align(alignment, expert_ids, stream)
-        return
-    get_kernel(_route_align_spec(router_logits.dtype)).launch(
-        1, _FUSED_THREADS, [weights, expert_ids, *alignment.outputs(), *_route_args(router_logits, top_k, renormalize)],
-        stream=stream)
 
 
 def moe_combine(out: DeviceTensor, expert_out: DeviceTensor, weights: DeviceTensor, row_of_pair: DeviceTensor,
