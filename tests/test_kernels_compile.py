@@ -56,7 +56,7 @@ def test_every_registered_kernel_compiles_and_then_comes_from_the_cache(arch):
 def test_kernels_build_cli_prints_one_line_per_kernel(capsys):
     from sparkd.cli.kernels import run_build
 
-    assert run_build(argparse.Namespace(arch=ARCHS)) == 0
+    assert run_build(argparse.Namespace(arch=ARCHS, jobs=2)) == 0  # two processes
     lines = capsys.readouterr().out.splitlines()
     kernel_lines = [line for line in lines if line.split()[1:2] and line.split()[1] in ARCHS]
     assert len(kernel_lines) == len(ARCHS) * len(all_kernel_specs())
@@ -66,7 +66,8 @@ def test_kernels_build_cli_prints_one_line_per_kernel(capsys):
 def test_cli_fails_on_a_bad_arch(capsys):
     from sparkd.cli.kernels import run_build
 
-    assert run_build(argparse.Namespace(arch=["sm90"])) == 1
+    assert run_build(argparse.Namespace(arch=["sm90"], jobs=1)) == 1
+    assert "FAIL" in capsys.readouterr().out
 
 
 # ---- cache keys ----
