@@ -12,23 +12,6 @@ namespace sparkd {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Programmatic dependent launch (sm_90+; launch.py's `programmatic`). A kernel launched
-// that way may start while the kernel before it still runs; it must wait for that
-// kernel's grid (and so for every earlier one) before it reads their results or
-// writes anything. A kernel lets the next one start early with allow_next_grid; where
-// neither launch asks for it, both instructions are no-ops, as they are below sm_90.
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // +inf (NVRTC has no <cmath> INFINITY).
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
