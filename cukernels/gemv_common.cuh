@@ -6,8 +6,9 @@
 // - a block owns kGemvRows rows of w, and its threads stride over K in
 //   16-byte chunks (8 bf16/fp16 or 4 fp32): a warp reads 512 contiguous bytes
 //   of a row per load;
-// - every thread issues all the loads of a pass (kGemvLoads for few x rows)
-//   before it uses any, so thousands of loads per SM are in flight;
+// - every thread issues all the loads of a pass (a chunk of each of its rows for
+//   one x row, in many resident warps; kGemvLoads for a few x rows) before it
+//   uses any, so thousands of loads per SM are in flight;
 // - w is read exactly once and bypasses L1; x (a few KB that every block
 //   re-reads) stays cached there or in shared memory, and each x chunk serves
 //   kGemvRows rows of w;
@@ -80,24 +81,15 @@ struct SharedRows {
   }
 };
 
-// The launch's kUnroll: with many x rows the accumulators need the registers, so fewer loads per pass.
+// The launch's kUnroll: the chunks of each w row a thread loads per pass. One x row: one, so
+// that a pass is short and many warps fit an SM, which keeps loads in flight while blocks
+// come and go (measured on the H200, docs/benchmarks.md runs 39-42: the 4096 x 4096 GEMV went
+// from 0.67 to 0.74-0.80 of the copy rate against four). With more x rows, four; with many, the
+// accumulators need the registers, so two.
 template <int kM>
 struct GemvPass {
-  static constexpr int kUnroll = (kM >= 8 ? kGemvLoads / 2 : kGemvLoads) / kGemvRows;
+  static constexpr int kUnroll = kM == 1 ? 1 : (kM >= 8 ? kGemvLoads / 2 : kGemvLoads) / kGemvRows;
 };
-
-// Prefetches into L2 the chunks of w_rows this thread reads in its first pass.
-template <typename T, int kM>
-__device__ __forceinline__ void prefetch_first_pass(const T* const (&w_rows)[kGemvRows], int num_chunks) {
-#pragma unroll
-  for (int u = 0; u < GemvPass<kM>::kUnroll; ++u) {
-    const int chunk = threadIdx.x + u * blockDim.x;
-#pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) {
-      if (chunk < num_chunks) prefetch_l2(w_rows[r] + static_cast<long long>(chunk) * Chunk<T>::kSize);
-    }
-  }
-}
 
 // acc[m][r] += x row m . w_rows[r] over this thread's share of the num_chunks chunks of K, m < M.
 // Rows: GlobalRows<T> or SharedRows<T>.

@@ -23,7 +23,10 @@ M_TILES = (1, 2, 4, 8, 16)  # the kM instantiations
 MAX_M = M_TILES[-1]
 _ROWS_PER_BLOCK = 4  # kGemvRows
 _MAX_WARPS = 8  # kGemvMaxWarps
-_CHUNKS_PER_THREAD = 4  # per row: with kGemvRows rows, the kGemvLoads loads of one pass
+# GemvPass<kM>::kUnroll of the M tile 1: a chunk of each row per thread and pass; the other tiles
+# size their warps as if by four (kGemvLoads over kGemvRows), as the GEMM table measured them.
+_CHUNKS_PER_THREAD = {1: 1}
+_DEFAULT_CHUNKS_PER_THREAD = 4
 
 
 def _spec(dtype: DType, out_dtype: DType, tile: int) -> KernelSpec:
@@ -101,7 +104,8 @@ def gemv(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceT
     require(reason is None, reason)
     args = [out, x, weight, bias if bias is not None else np.uint64(0), i32(m), i32(n), i32(k),
             np.int64(x_row_stride(x)), np.int64(out.row_stride)]
-    get_kernel(_spec(x.dtype, out.dtype, m_tile(m))).launch(-(-n // _ROWS_PER_BLOCK), _threads(x), args, stream=stream)
+    get_kernel(_spec(x.dtype, out.dtype, m_tile(m))).launch(-(-n // _ROWS_PER_BLOCK), _threads(x), args,
+                                                            stream=stream)
 
 
 def gemv_silu_and_mul(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None,
@@ -126,6 +130,7 @@ def gemv_silu_and_mul(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, 
 
 
 def _threads(x: DeviceTensor) -> int:
-    """Warps splitting K: enough that a pass of kGemvLoads loads per thread covers a row."""
+    """Warps splitting K: enough that one pass of the M tile covers a row, at most kGemvMaxWarps."""
     chunks = x.shape[1] // (ACCESS_BYTES // x.dtype.itemsize)
-    return 32 * min(_MAX_WARPS, max(1, -(-chunks // (32 * _CHUNKS_PER_THREAD))))
+    per_thread = _CHUNKS_PER_THREAD.get(m_tile(x.shape[0]), _DEFAULT_CHUNKS_PER_THREAD)
+    return 32 * min(_MAX_WARPS, max(1, -(-chunks // (32 * per_thread))))
