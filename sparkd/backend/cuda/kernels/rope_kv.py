@@ -10,20 +10,30 @@ from ..driver import Stream
 from ..tensor import DeviceTensor
 from . import (
     ELEMENT_TYPES,
-    element_name,
-    element_specs,
     i32,
     require,
     require_contiguous,
     require_dtype,
     round_up,
     vector_width,
+    vector_widths,
 )
 
 _SOURCE = "rope_kv.cu"
-SPECS = element_specs(_SOURCE, "rope_write_kv_kernel")
-_MAX_THREADS = 256
+_MAX_THREADS = 512  # kRopeMaxThreads
+MAX_HEAD_DIM = 256  # kRopeMaxHeadDim: a thread holds its chunks of a head in registers
+# The kernel's layouts (rope_kv.cu): a thread holds 1 lane of head_inv_rms's (plain),
+# or 4 (split: full rotary with as many vectors in a head as lanes).
+_PLAIN, _SPLIT = 1, 4
 QKNorm = tuple[DeviceTensor, DeviceTensor, float]  # (q_norm [D], k_norm [D], eps)
+
+
+def _kernel_name(dtype: DType, width: int, lanes_per_thread: int) -> str:
+    return f"rope_write_kv_kernel<{dtype.c_type}, {width}, {lanes_per_thread}>"
+
+
+SPECS = [KernelSpec(_SOURCE, _kernel_name(dtype, width, lanes_per_thread)) for dtype in ELEMENT_TYPES
+         for width in vector_widths(dtype) for lanes_per_thread in (_PLAIN, _SPLIT)]
 
 
 def rope_write_kv(q_out: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, positions: DeviceTensor,
@@ -33,8 +43,8 @@ def rope_write_kv(q_out: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Devi
     with `qk_norm`, each q and k head is RMS-normalised over D first (rmsnorm's
     arithmetic, rounded to q's dtype before the rotation), all in one launch.
 
-    q: [T, Hq, D], k, v: [T, Hkv, D], each with contiguous heads inside a token
-      row (strides (row, D, 1): views of the fused qkv output are fine).
+    q: [T, Hq, D], k, v: [T, Hkv, D] (D <= MAX_HEAD_DIM), each with contiguous heads
+      inside a token row (strides (row, D, 1): views of the fused qkv output are fine).
     positions, slot_mapping: [T] int32; a negative slot skips that token's cache write.
     cos_sin: [P, rotary_dim] float32 = cos | sin of position * inv_freq, times the
       attention scaling (llama3 scaling already in inv_freq); rotary_dim even,
@@ -70,23 +80,44 @@ def rope_write_kv(q_out: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: Devi
     rotary_dim = cos_sin.shape[1]
     require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim,
             f"rotary_dim must be even and in [2, D={head_dim}], got {rotary_dim}")
+    require(head_dim <= MAX_HEAD_DIM, f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
     norm_weights = _check_qk_norm(qk_norm, q.dtype, head_dim)
     if num_tokens == 0:
         return
 
     row_strides = (q.strides[0], k.strides[0], v.strides[0])
-    # The rotation pairs dim i with i + rotary_dim/2, so a vector may not straddle the half.
-    width = vector_width(q.dtype, (q_out, q, k, v, k_cache, v_cache, cos_sin, *norm_weights),
-                         (head_dim, rotary_dim // 2, *row_strides))
-    chunks = (num_q_heads + 2 * num_kv_heads) * head_dim // width
-    kernel = get_kernel(KernelSpec(_SOURCE, element_name("rope_write_kv_kernel", q.dtype, width)))
-    if qk_norm is None:
-        norm_args, shared_mem = [np.uint64(0), np.uint64(0), np.float32(0)], 0
-    else:  # the kernel keeps one inverse RMS per q and k head in shared memory
-        norm_args, shared_mem = [*norm_weights, np.float32(qk_norm[2])], (num_q_heads + num_kv_heads) * 4
+    width = access_width(q_out, q, k, v, k_cache, v_cache, cos_sin, norm_weights)
+    lanes_per_thread, group = _layout(head_dim // width, rotary_dim == head_dim)
+    kernel = get_kernel(KernelSpec(_SOURCE, _kernel_name(q.dtype, width, lanes_per_thread)))
+    norm_args = [*norm_weights, np.float32(qk_norm[2])] if qk_norm else [np.uint64(0), np.uint64(0), np.float32(0)]
     args = [q_out, k_cache, v_cache, q, k, v, positions, slot_mapping, cos_sin, *norm_args, i32(num_q_heads),
             i32(num_kv_heads), i32(head_dim), i32(rotary_dim), i32(cache_shape[2]), *(np.int64(s) for s in row_strides)]
-    kernel.launch(num_tokens, min(_MAX_THREADS, round_up(chunks, 32)), args, shared_mem=shared_mem, stream=stream)
+    kernel.launch(*_token_grid((num_q_heads + 2 * num_kv_heads) * group, num_tokens), args, stream=stream)
+
+
+def access_width(q_out: DeviceTensor, q: DeviceTensor, k: DeviceTensor, v: DeviceTensor, k_cache: DeviceTensor,
+                 v_cache: DeviceTensor, cos_sin: DeviceTensor, norm_weights: tuple[DeviceTensor, ...]) -> int:
+    """Elements per access of rope_write_kv on these operands (its kVec: the sums of
+    squares go chunk by chunk of this width). The rotation pairs dim i with
+    i + rotary_dim/2, so a vector may not straddle the half."""
+    return vector_width(q.dtype, (q_out, q, k, v, k_cache, v_cache, cos_sin, *norm_weights),
+                        (q.shape[2], cos_sin.shape[1] // 2, q.strides[0], k.strides[0], v.strides[0]))
+
+
+def _layout(chunks: int, full_rotary: bool) -> tuple[int, int]:
+    """(lanes per thread, threads per head) for heads of `chunks` vectors: the split
+    layout where a head has as many vectors as the norm's lanes (lanes_per_head in
+    rope_common.cuh: the next power of two, at most 32) and rotates whole, else plain."""
+    lanes = min(32, 1 << (chunks - 1).bit_length())
+    lanes_per_thread = _SPLIT if full_rotary and chunks == lanes >= _SPLIT else _PLAIN
+    return lanes_per_thread, lanes // lanes_per_thread
+
+
+def _token_grid(threads_per_token: int, num_tokens: int) -> tuple[tuple[int, int], int]:
+    """(grid, block) giving each token threads_per_token threads (whole warps) in
+    blocks of at most _MAX_THREADS: grid (T, parts)."""
+    parts = -(-threads_per_token // _MAX_THREADS)
+    return (num_tokens, parts), round_up(-(-threads_per_token // parts), 32)
 
 
 def _check_qk_norm(qk_norm: QKNorm | None, dtype: DType, head_dim: int) -> tuple[DeviceTensor, ...]:
