@@ -83,6 +83,8 @@ if [ "$PART" != models ]; then
     run_step pytest_gpu 360 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
     # The GPU benchmarks only: the kernels first, against the copy rate or their old form.
     run_step bench_attention 60 python3 tools/bench_attention.py
+    run_step bench_attention_prefill 30 python3 tools/bench_attention_prefill.py
+    run_step bench_rope_kv 20 python3 tools/bench_rope_kv.py
     run_step bench_kernels 30 python3 tools/bench_kernels.py
     run_step bench_sampling 30 python3 tools/bench_sampling.py
     run_step bench_moe_kernels 30 python3 tools/bench_moe_kernels.py
