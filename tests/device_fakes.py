@@ -1,5 +1,6 @@
 """Device tensors for host-side launcher tests: a pointer that is never dereferenced, so
-the checks a launcher makes before it loads a kernel run with no GPU."""
+the checks a launcher makes before it loads a kernel run with no GPU; and a device that is
+not a Hopper, for the launchers of sm_90-only kernels."""
 
 from __future__ import annotations
 
@@ -9,3 +10,9 @@ from sparkd.backend.dtypes import DType
 
 def fake_tensor(shape, dtype="bfloat16", ptr=0x10000, strides=None) -> DeviceTensor:
     return DeviceTensor(ptr, shape, DType.parse(dtype), strides)
+
+
+class Sm120Device:
+    """What `current_device()` says of a Blackwell GPU: the arch and SM count a launcher reads."""
+
+    arch, sm_count = "sm_120", 188

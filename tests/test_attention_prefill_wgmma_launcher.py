@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from device_fakes import fake_tensor
+from device_fakes import Sm120Device, fake_tensor
 
 from sparkd.backend.cuda import compiler
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
@@ -46,12 +46,8 @@ def test_wgmma_prefill_is_picked_only_for_a_long_enough_query():
     assert not wgmma_prefill.use_wgmma_prefill("sm_90", DType.bfloat16, 128, wgmma_prefill.MIN_QUERY_LEN - 1)
 
 
-class _Device:
-    arch, sm_count = "sm_120", 188
-
-
 def test_a_launch_off_sm_90_is_refused_before_any_kernel_loads(monkeypatch):
-    monkeypatch.setattr(wgmma_prefill, "current_device", lambda: _Device())
+    monkeypatch.setattr(wgmma_prefill, "current_device", lambda: Sm120Device())
     monkeypatch.setattr(wgmma_prefill, "get_kernel", lambda spec: pytest.fail(f"{spec} was loaded"))
     with pytest.raises(ValueError, match="the wgmma prefill attention runs on sm_90 only, this device is sm_120"):
         _launch()

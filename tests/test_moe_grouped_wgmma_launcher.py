@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from device_fakes import fake_tensor
+from device_fakes import Sm120Device, fake_tensor
 from moe_launcher_fakes import E, H, I, K, T, call_down, call_gate_up, grouped_plan
 
 from sparkd.backend.cuda import compiler
@@ -34,12 +34,8 @@ def test_wgmma_is_picked_on_sm_90_only(arch, expected):
     assert wgmma.use_wgmma(arch) is expected
 
 
-class _Device:
-    arch, sm_count = "sm_120", 188
-
-
 def test_a_launch_off_sm_90_is_refused_before_any_kernel_loads(monkeypatch):
-    monkeypatch.setattr(wgmma, "current_device", lambda: _Device())
+    monkeypatch.setattr(wgmma, "current_device", lambda: Sm120Device())
     monkeypatch.setattr(wgmma, "get_kernel", lambda spec: pytest.fail(f"{spec} was loaded"))
     with pytest.raises(ValueError, match="the wgmma expert GEMMs run on sm_90 only, this device is sm_120"):
         _gate_up()

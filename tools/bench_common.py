@@ -36,6 +36,11 @@ class DeviceBench:
         self.stream = Stream()
         self.allocator = DeviceAllocator()
 
+    def header(self, copy_rate: float, detail: str = "") -> str:
+        """The markdown comment line naming the device (and `detail`) and the copy rate measured."""
+        return (f"# {self.device.name} ({self.device.arch}){detail}; device-to-device copy "
+                f"{copy_rate / 1e12:.2f} TB/s (read + written)")
+
     def ones(self, shape, dtype: DType | None = None) -> DeviceTensor:
         """A tensor of 1.0 in `dtype` (default: the bench's); the values do not change the timing."""
         dtype = dtype or self.dtype

@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     bench = Bench(DType.parse(args.dtype), args.iters)
-    print(f"# {bench.device.name} ({bench.device.arch}), {args.dtype}; device-to-device copy "
-          f"{bench.copy_rate / 1e12:.2f} TB/s (read + written)")
+    print(bench.header(bench.copy_rate, f", {args.dtype}"))
     print("| kernel | shape | us/call | GB/s | fraction of copy |")
     print("| --- | --- | --- | --- | --- |")
     for tokens in args.tokens:

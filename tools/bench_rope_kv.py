@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     bench = Bench(args.iters)
-    print(f"# {bench.device.name} ({bench.device.arch}); device-to-device copy "
-          f"{bench.copy_rate / 1e12:.2f} TB/s (read + written)")
+    print(bench.header(bench.copy_rate))
     print("| model | heads q/kv, D | norm | tokens | MB moved | us/call | TB/s | fraction of copy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for (name, num_q_heads, num_kv_heads, with_norm, theta), tokens in itertools.product(MODELS, args.tokens):

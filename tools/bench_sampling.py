@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     staging = StagingRing(bench.allocator, bench.stream)
     copy_rate = copy_bandwidth(bench.allocator, bench.stream)
     rng = np.random.default_rng(0)
-    print(f"# {bench.device.name} ({bench.device.arch}), {bench.device.sm_count} SMs; device-to-device copy "
-          f"{copy_rate / 1e12:.2f} TB/s (read + written)")
+    print(bench.header(copy_rate, f", {bench.device.sm_count} SMs"))
     print("| rows | vocab | mode | blocks a row x ids | us/call | us/call, 1 block/row | us to read logits once "
           "| x read once |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

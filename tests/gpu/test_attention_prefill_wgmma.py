@@ -20,6 +20,7 @@ from sparkd.backend.dtypes import DType
 
 from .test_attention import MIXED, attention, dense_attention, make_batch, upload_meta
 from .test_wgmma_diagnostics import _where_wrong
+from .wgmma_probes import probe_source
 
 pytestmark = pytest.mark.gpu
 
@@ -32,17 +33,7 @@ def _hopper(gpu):
         pytest.skip(f"the wgmma prefill runs on sm_90 only, this device is {device_arch()}")
 
 
-PROBES = r"""
-#include "wgmma_attention.cuh"
-
-using namespace sparkd;
-using namespace sparkd::wgmma;
-
-__device__ unsigned char* aligned_shared() {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  return smem + (kSwizzleBytes - attn::smem_addr(smem) % kSwizzleBytes) % kSwizzleBytes;
-}
-
+PROBES = probe_source("wgmma_attention.cuh", r"""
 // rows [n, 128] bf16 row-major -> a tile of n rows in 2 panels of 64 dims (panel_offset).
 __device__ void store_tile(unsigned char* tile, const __nv_bfloat16* rows, int n) {
   for (int c = threadIdx.x; c < n * 16; c += blockDim.x)
@@ -101,7 +92,7 @@ __global__ void __launch_bounds__(128) pv_probe_kernel(float* o_out, const float
   for (int i = 0; i < kM64N128Outputs; ++i) o_out[accumulator_row(i) * 128 + accumulator_col(i)] = o[i];
 #endif
 }
-"""
+""")
 
 
 @pytest.fixture

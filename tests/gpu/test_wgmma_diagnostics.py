@@ -13,6 +13,8 @@ import pytest
 from sparkd.backend.cuda.kernels import moe_grouped_wgmma
 from sparkd.backend.dtypes import DType
 
+from .wgmma_probes import probe_source
+
 pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
@@ -24,17 +26,7 @@ def _hopper(gpu):
 
 
 
-PROBES = r"""
-#include "wgmma.cuh"
-
-using namespace sparkd;
-using namespace sparkd::wgmma;
-
-__device__ unsigned char* aligned_shared() {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  return smem + (kSwizzleBytes - attn::smem_addr(smem) % kSwizzleBytes) % kSwizzleBytes;
-}
-
+PROBES = probe_source("wgmma.cuh", r"""
 // d [64, 256] fp32 = a [64, 64] . b [256, 64]^T over K 0 .. 16 k_steps - 1, a and b bf16 row-major.
 // One warpgroup stores the tiles swizzled (a's 64 rows, then b's 256) with ordinary stores; k_steps
 // wgmma m64n256k16 read them through tile_descriptor; d goes out through accumulator_row / _col.
@@ -97,7 +89,7 @@ __global__ void __launch_bounds__(128)
   }
 #endif
 }
-"""
+""")
 
 
 @pytest.fixture
