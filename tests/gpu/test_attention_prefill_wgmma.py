@@ -20,7 +20,7 @@ from sparkd.backend.dtypes import DType
 
 from .test_attention import MIXED, attention, dense_attention, make_batch, upload_meta
 from .test_wgmma_diagnostics import _where_wrong
-from .wgmma_probes import probe_source
+from .wgmma_probes import probe_compiler, probe_source
 
 pytestmark = pytest.mark.gpu
 
@@ -98,12 +98,7 @@ __global__ void __launch_bounds__(128) pv_probe_kernel(float* o_out, const float
 @pytest.fixture
 def probe(compile_test_kernel, tmp_path):
     """name -> that kernel of PROBES, built (for sm_90a) against copies of wgmma_attention.cuh and its headers."""
-    from sparkd.backend.cuda.compiler import source_files
-
-    for rel, text in source_files("wgmma_attention.cuh").items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes(text)
-    return lambda name: compile_test_kernel(PROBES, name)
+    return probe_compiler(compile_test_kernel, tmp_path, "wgmma_attention.cuh", PROBES)
 
 
 _ROW, _COL = np.arange(128)[:, None], np.arange(128)[None, :]

@@ -13,7 +13,7 @@ import pytest
 from sparkd.backend.cuda.kernels import moe_grouped_wgmma
 from sparkd.backend.dtypes import DType
 
-from .wgmma_probes import probe_source
+from .wgmma_probes import probe_compiler, probe_source
 
 pytestmark = pytest.mark.gpu
 
@@ -95,12 +95,7 @@ __global__ void __launch_bounds__(128)
 @pytest.fixture
 def probe(compile_test_kernel, tmp_path):
     """name -> that kernel of PROBES, built (for sm_90a) against copies of wgmma.cuh and its headers."""
-    from sparkd.backend.cuda.compiler import source_files
-
-    for rel, text in source_files("wgmma.cuh").items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes(text)
-    return lambda name: compile_test_kernel(PROBES, name)
+    return probe_compiler(compile_test_kernel, tmp_path, "wgmma.cuh", PROBES)
 
 
 _M, _N, _K = np.arange(64)[:, None], np.arange(256)[:, None], np.arange(64)[None, :]

@@ -18,3 +18,14 @@ __device__ unsigned char* aligned_shared() {
 def probe_source(header: str, kernels: str) -> str:
     """`#include "header"`, the shared opening, then the probe kernels' own source."""
     return f'\n#include "{header}"\n' + _AFTER_INCLUDE + kernels
+
+
+def probe_compiler(compile_test_kernel, directory, header: str, source: str):
+    """name -> that kernel of `source`, built (for sm_90a) by the `compile_test_kernel` fixture
+    against copies of `header` and the headers it includes, written to its `directory` (tmp_path)."""
+    from sparkd.backend.cuda.compiler import source_files
+
+    for rel, text in source_files(header).items():
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        (directory / rel).write_bytes(text)
+    return lambda name: compile_test_kernel(source, name)
