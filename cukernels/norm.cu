@@ -1,7 +1,8 @@
 // RMSNorm, plain and fused with the residual add, fp32 math.
 //
 //   rmsnorm:      out = x / sqrt(mean(x^2) + eps) * weight
-//   add_rmsnorm:  residual' = x + residual, in fp32; out = rmsnorm(residual')
+//   add_rmsnorm:  residual' = x + residual, in fp32; out = rmsnorm(residual'), and for a MoE
+//                 router optionally out_lo = the rounding error of out, in T as well
 //
 // The residual stream stays in fp32 whatever T is: each layer adds its bf16/fp16
 // output to it without rounding, so rounding errors do not pile up over the layers
@@ -36,12 +37,14 @@ __device__ __forceinline__ float sum_of_squares(const float (&v)[kVec]) {
   return sum;
 }
 
-// Scales the slice by weight / rms and writes it to out (a row of dim values), and
-// unrounded to out_fp32 unless that is null. sum_sq: this thread's share of the row's
-// sum of squares. Every thread of the block calls it; valid is false for threads past
-// the last row, which join the reduction without storing.
+// Scales the slice by weight / rms and writes it to out (a row of dim values), rounded to T,
+// and what that rounding lost to out_lo unless it is null: out + out_lo is the unrounded row
+// to about 2^-16 of it in bf16 (2^-22 in fp16), which is what a MoE router's GEMM reads
+// (CudaOps.add_rmsnorm_for_router). sum_sq: this thread's share of the row's sum of squares.
+// Every thread of the block calls it; valid is false for threads past the last row, which join
+// the reduction without storing.
 template <typename T, int kVec>
-__device__ __forceinline__ void normalize_and_store(T* __restrict__ out, float* __restrict__ out_fp32,
+__device__ __forceinline__ void normalize_and_store(T* __restrict__ out, T* __restrict__ out_lo,
                                                     const RowSlice<kVec>& slice, float sum_sq,
                                                     const T* __restrict__ weight, int dim, float eps, bool valid,
                                                     float* scratch) {
@@ -57,7 +60,11 @@ __device__ __forceinline__ void normalize_and_store(T* __restrict__ out, float* 
 #pragma unroll
     for (int i = 0; i < kVec; ++i) y[i] = slice.v[k][i] * inv_rms * w[i];
     store_floats<kVec>(out + col, y);
-    if (out_fp32 != nullptr) store_floats<kVec>(out_fp32 + col, y);
+    if (out_lo != nullptr) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) y[i] -= to_float(from_float<T>(y[i]));
+      store_floats<kVec>(out_lo + col, y);
+    }
   }
 }
 
@@ -87,14 +94,15 @@ rmsnorm_kernel(T* __restrict__ out, const X* __restrict__ x, const T* __restrict
                                eps, valid, scratch);
 }
 
-// out, x: [rows, dim] in T; residual_in: [rows, dim] in R (T or float); residual_out:
-// [rows, dim] float, which may be residual_in itself (R = float: updated in place), so
-// neither is __restrict__; out_fp32: null, or [rows, dim] float for out unrounded (a MoE
-// router's input). All contiguous.
+// x: [rows, dim] in T; residual_in: [rows, dim] in R (T or float); residual_out: [rows, dim]
+// float, which may be residual_in itself (R = float: updated in place), so neither is
+// __restrict__; all three contiguous. out: [rows, dim] in T, row stride ld_out; out_lo: null,
+// or [rows, dim] in T at the same row stride (out's rounding error, for a MoE router).
 template <typename T, typename R, int kVec>
 __global__ void __launch_bounds__(1024)
-add_rmsnorm_kernel(T* __restrict__ out, float* __restrict__ out_fp32, float* residual_out, const R* residual_in,
-                   const T* __restrict__ x, const T* __restrict__ weight, int rows, int dim, float eps) {
+add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ out_lo, long long ld_out, float* residual_out,
+                   const R* residual_in, const T* __restrict__ x, const T* __restrict__ weight, int rows, int dim,
+                   float eps) {
   __shared__ float scratch[32 * 32];
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
@@ -113,6 +121,7 @@ add_rmsnorm_kernel(T* __restrict__ out, float* __restrict__ out_fp32, float* res
     store_floats<kVec>(residual_out + base + col, slice.v[k]);
     sum_sq += sum_of_squares(slice.v[k]);
   }
-  normalize_and_store<T, kVec>(out + base, out_fp32 != nullptr ? out_fp32 + base : nullptr, slice, sum_sq, weight,
+  const long long out_row = static_cast<long long>(row) * ld_out;
+  normalize_and_store<T, kVec>(out + out_row, out_lo != nullptr ? out_lo + out_row : nullptr, slice, sum_sq, weight,
                                dim, eps, valid, scratch);
 }

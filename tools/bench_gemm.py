@@ -9,8 +9,8 @@ by the device-to-device copy rate (bytes read plus written), says how much of th
 memory system it uses: 1.0 is the ceiling a skinny-GEMM kernel could reach.
 Each shape cycles through enough weight copies to exceed twice the L2, and the
 timed launches are replayed from one CUDA graph, so neither the cache nor Python
-launch overhead inflates the figures. lm_head writes fp32 and the MoE router runs in fp32,
-as the engine runs them.
+launch overhead inflates the figures. lm_head and the MoE router write fp32, as the engine
+runs them; the router's K is twice the hidden size (its split rows [y | y_lo], CudaOps.router_weight).
 
 Shapes: Llama-3.1-8B's and Qwen3-30B-A3B's dense ones, plus those of the checkpoint at
 --model (its config.json).
@@ -66,13 +66,12 @@ SHAPES = {
 MOE_SHAPES = {
     "moe qkv": (5120, 2048),
     "moe o": (2048, 4096),
-    "moe router": (128, 2048),
+    "moe router": (128, 2 * 2048),
     "moe lm_head": (151936, 2048),
 }
 LLAMA_LAYERS = 32
 LOGITS = "lm_head"
 FP32_OUTPUTS = ("lm_head", "router")  # logits and router logits are written in fp32, as the engine runs them
-FP32_SHAPES = ("moe router",)  # the MoE router runs wholly in fp32 (sparkd/models/moe.py)
 _BF16_ONE_BITS = 0x3F80  # weights hold 1.0: the values do not change the timing
 
 
@@ -185,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- |")
     llama_seconds = {}  # Llama shape -> (cuBLASLt, as picked) seconds per call at M = 1
     for name, (n, k) in bench_shapes(args.model).items():
-        shape_dtype = DType.float32 if name in FP32_SHAPES else dtype
-        out_dtype = DType.float32 if name.endswith(FP32_OUTPUTS) else shape_dtype
-        bench = ShapeBench(allocator, stream, shape_dtype, out_dtype, n, k, l2_bytes, args.iters)
+        out_dtype = DType.float32 if name.endswith(FP32_OUTPUTS) else dtype
+        bench = ShapeBench(allocator, stream, dtype, out_dtype, n, k, l2_bytes, args.iters)
         for m in args.m:
             x, out = bench.operands(m)
             weight = bench.weights[0]
@@ -196,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             if gemv.unsupported_reason(x, weight) is None:
                 fast = bench.measure(lambda out, x, w: gemv.gemv(out, x, w, None, stream), x, out)
                 if table_path and m in gemv.M_TILES:
-                    gemm.table.entries[ShapeKey(n, k, shape_dtype.name, m)] = Measurement(
+                    gemm.table.entries[ShapeKey(n, k, dtype.name, m)] = Measurement(
                         *(float(f"{cell.fraction(copy_rate):.4g}") for cell in (cublaslt, fast)))
             picked = fast if gemm.picks_gemv(x, weight) else cublaslt
             print(f"| {name} {n}x{k} | {m} | {cublaslt.show(copy_rate)} | "

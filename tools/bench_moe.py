@@ -85,7 +85,7 @@ def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilizatio
     expert_weights = [t for name, t in weights.items() if ".experts." in name]
     dense_bytes = sum(t.nbytes for name, t in weights.items() if ".experts." not in name)
     dense_bytes -= weights["model.embed_tokens.weight"].nbytes  # decode reads one row of it per sequence
-    dense_bytes += sum(t.nbytes for name, t in weights.items() if name.endswith(".gate.weight"))  # routers in fp32
+    dense_bytes += sum(t.nbytes for name, t in weights.items() if name.endswith(".gate.weight"))  # routers: [W | W] (CudaOps.router_weight)
     expert_bytes = sum(t.nbytes for t in expert_weights) // (num_layers * e)
     model = MoeForCausalLM(config, ops, weights)
     # run_decode's requests ask for 2 * steps + 64 tokens; the prefill prompt is PREFILL_LEN.

@@ -189,8 +189,17 @@ class Ops(Protocol):
 
     def add_rmsnorm_for_router(self, x: Tensor, residual: Tensor, weight: Tensor,
                                eps: float) -> tuple[Tensor, Tensor, Tensor]:
-        """`add_rmsnorm` that also returns y unrounded: (y, y in float32, residual'), for a
-        MoE router, whose top-k choice flips between near-tied experts on a rounding."""
+        """`add_rmsnorm` that also returns y unrounded: (y, router_input, residual'), for a
+        MoE router, whose top-k choice flips between near-tied experts on a rounding.
+        router_input is y before its rounding in the form `sparse_moe`'s router GEMM takes
+        with `router_weight`'s weight: float32 [T, H] (the reference), or in a bf16 / fp16
+        model [T, 2H] = [y | what rounding y lost], in the model dtype, whose product with
+        [W | W] is the unrounded rows' on 16-bit tensor cores (CUDA; y is a view of its first half)."""
+
+    def router_weight(self, router: Tensor) -> Tensor:
+        """A MoE router's weight [E, H] as loaded (model dtype) -> the weight `sparse_moe`'s router
+        GEMM takes beside `add_rmsnorm_for_router`'s router_input: float32 [E, H], or [E, 2H] =
+        [W | W] in the model dtype where router_input is split."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: np.dtype | None = None) -> Tensor:
         """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N] in x's dtype, or in
@@ -252,12 +261,14 @@ class Ops(Protocol):
         GEMM per expert on its group (a grouped GEMM on a GPU) and scatters the rows
         back to token order for the weighted combine."""
 
-    def sparse_moe(self, x: Tensor, x_fp32: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
+    def sparse_moe(self, x: Tensor, router_input: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
                    renormalize: bool) -> Tensor:
-        """The routed MoE block: the fp32 router GEMM, `moe_route`, then `moe_experts`.
+        """The routed MoE block: the router GEMM (fp32 logits of the unrounded rows), `moe_route`,
+        then `moe_experts`.
 
-        x [T, H] (model dtype), x_fp32 [T, H] float32 (the same rows before their rounding),
-        router [E, H] float32, gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype.
+        x [T, H] (model dtype), router_input (the same rows before their rounding, from
+        `add_rmsnorm_for_router`), router (from `router_weight`, E experts), gate_up [E, 2I, H],
+        down [E, H, I] -> [T, H] in x's dtype.
         That composition is the reference (NumpyOps); a GPU routes and aligns the pairs
         for its grouped GEMMs in one launch."""
 

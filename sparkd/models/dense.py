@@ -55,7 +55,7 @@ class DenseAttention:
 
 
 class DenseMLP:
-    routes_on_fp32 = False  # takes the normed rows in the model dtype only (see SparseMoeBlock)
+    takes_router_input = False  # takes the normed rows in the model dtype only (see SparseMoeBlock)
 
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
         self.ops = ops
@@ -70,7 +70,8 @@ class DenseMLP:
 
 class DenseDecoderLayer:
     """`mlp` is the layer's feed-forward block: anything with `forward(x [T, H]) -> [T, H]`,
-    or, where its `routes_on_fp32` is true, `forward(x, x_fp32 [T, H] float32) -> [T, H]`."""
+    or, where its `takes_router_input` is true, `forward(x, router_input) -> [T, H]` with the
+    rows unrounded beside x (`Ops.add_rmsnorm_for_router`)."""
 
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str, mlp: Any):
         self.ops = ops
@@ -91,7 +92,7 @@ class DenseDecoderLayer:
         else:
             hidden_states, residual = self.ops.add_rmsnorm(hidden_states, residual, self.input_layernorm, self.eps)
         hidden_states = self.self_attn.forward(positions, hidden_states, attn, kv_cache)
-        if self.mlp.routes_on_fp32:
+        if self.mlp.takes_router_input:
             hidden_states, router_input, residual = self.ops.add_rmsnorm_for_router(
                 hidden_states, residual, self.post_attention_layernorm, self.eps)
             return self.mlp.forward(hidden_states, router_input), residual

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
-
 from ..backend.base import Ops, Tensor
 from .config import ModelConfig
 from .dense import DenseForCausalLM, Weights, take
@@ -38,12 +36,13 @@ def take_shaped(weights: Weights, name: str, shape: tuple[int, ...]) -> Tensor:
 class SparseMoeBlock:
     """Router and routed SiLU experts: Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock.
 
-    The router runs in fp32, on fp32 weights and the normed rows before their rounding to
-    the model dtype: in bf16, rounding there flips the top-k choice between near-tied
-    experts, which changes the token's output wholesale (on the tiny test models it cost
-    a point of top-1 agreement with fp32)."""
+    The router's logits are those of the normed rows before their rounding to the model dtype,
+    accumulated in fp32: in bf16, rounding the rows flips the top-k choice between near-tied
+    experts, which changes the token's output wholesale (on the tiny test models it cost a
+    point of top-1 agreement with fp32). The backend says how it holds those rows and the
+    router weight (`Ops.add_rmsnorm_for_router`, `Ops.router_weight`)."""
 
-    routes_on_fp32 = True
+    takes_router_input = True
 
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
         self.ops = ops
@@ -51,14 +50,15 @@ class SparseMoeBlock:
         self.renormalize = config.norm_topk_prob
         num_experts, hidden, intermediate = config.num_experts, config.hidden_size, config.moe_intermediate_size
         router = take_shaped(weights, prefix + "gate.weight", (num_experts, hidden))
-        self.router = ops.upload(ops.download(router), np.float32)  # once, at load: E x H is small
+        self.router = ops.router_weight(router)
         self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (num_experts, 2 * intermediate, hidden))
         self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (num_experts, hidden, intermediate))
 
-    def forward(self, x: Tensor, x_fp32: Tensor) -> Tensor:
-        """x [T, H] (model dtype), x_fp32 [T, H] (the same rows unrounded) -> sum over each
-        token's k experts of weight * expert(x), [T, H]: `Ops.sparse_moe`."""
-        return self.ops.sparse_moe(x, x_fp32, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+    def forward(self, x: Tensor, router_input: Tensor) -> Tensor:
+        """x [T, H] (model dtype), router_input (the same rows unrounded, from
+        `Ops.add_rmsnorm_for_router`) -> sum over each token's k experts of weight * expert(x),
+        [T, H]: `Ops.sparse_moe`."""
+        return self.ops.sparse_moe(x, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
                                    self.renormalize)
 
 

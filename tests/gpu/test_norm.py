@@ -44,21 +44,44 @@ def test_add_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype, rows, dim, 
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
 
 
+# How close y + y_lo comes to y unrounded, relative to |y|: y_lo is the rounding of an error
+# at most half an ulp of y, so what is left is half an ulp of that (2^-8 * 2^-8 in bf16).
+SPLIT_ERROR = {"bfloat16": 2.0 ** -16, "float16": 2.0 ** -22}
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_add_rmsnorm_also_writes_the_unrounded_rows_for_a_router(gpu, rel_error, dtype):
-    """out_fp32 holds the normed rows before their rounding to dtype: out is exactly its rounding."""
-    rng = np.random.default_rng(5)
-    rows, dim = 7, 2048
+@pytest.mark.parametrize("rows,dim", [(1, 2048), (7, 2048), (5, 33)])
+def test_add_rmsnorm_also_writes_the_rounding_error_for_a_router(gpu, rel_error, dtype, rows, dim):
+    """out and out_lo are the two halves of one [R, 2D] buffer (a MoE router's input): out is the
+    normed rows rounded to dtype, out_lo what that rounding lost, so that out + out_lo is the
+    unrounded row to SPLIT_ERROR of each element, and adding out_lo back does not move out."""
+    rng = np.random.default_rng(5 + dim)
     x = gpu.upload(rng.standard_normal((rows, dim), dtype=np.float32), dtype)
     residual = gpu.upload(rng.standard_normal((rows, dim), dtype=np.float32), "float32")
     weight = gpu.upload(_weight(rng, dim), dtype)
     summed = gpu.download(x) + gpu.download(residual)
     expected = NumpyOps().rmsnorm(summed, gpu.download(weight), EPS)
-    out, out_fp32 = gpu.empty((rows, dim), dtype), gpu.empty((rows, dim), "float32")
-    norm.add_rmsnorm(out, residual, residual, x, weight, EPS, gpu.stream, out_fp32)
-    unrounded = gpu.download(out_fp32)
-    assert rel_error(unrounded, expected) <= 1e-5
-    np.testing.assert_array_equal(gpu.download(out), gpu.download(gpu.upload(unrounded, dtype)))
+    split = gpu.empty((rows, 2 * dim), dtype)
+    norm.add_rmsnorm(split.column_slice(0, dim), residual, residual, x, weight, EPS, gpu.stream,
+                     split.column_slice(dim, dim))
+    halves = gpu.download(split)
+    out, out_lo = halves[:, :dim].astype(np.float64), halves[:, dim:].astype(np.float64)
+    np.testing.assert_array_equal(gpu.download(gpu.upload(out + out_lo, dtype)), out)
+    assert np.all(np.abs(out_lo) <= np.abs(out) * SPLIT_ERROR[dtype] ** 0.5)
+    # The GPU's and numpy's fp32 norms differ by a few fp32 ulps; the split adds SPLIT_ERROR.
+    assert np.all(np.abs(out + out_lo - expected) <= SPLIT_ERROR[dtype] * np.abs(expected) + 1e-6 * np.abs(expected).max())
+    assert rel_error(out, expected) <= 2.0 ** -8
+
+
+def test_add_rmsnorm_rejects_out_lo_over_out(gpu):
+    """out_lo shifted by one row of a [R, 2D] buffer would overwrite out's next row."""
+    x = gpu.empty((2, 8), "bfloat16")
+    residual = gpu.empty((2, 8), "float32")
+    split = gpu.empty((3, 16), "bfloat16")
+    out = split.column_slice(0, 8)
+    shifted = type(out)(out.ptr + 16 * 2, out.shape, out.dtype, out.strides, out.owner)
+    with pytest.raises(ValueError, match="out_lo must be"):
+        norm.add_rmsnorm(out, residual, residual, x, gpu.empty((8,), "bfloat16"), EPS, gpu.stream, shifted)
 
 
 def test_add_rmsnorm_rejects_a_narrow_residual_out(gpu):

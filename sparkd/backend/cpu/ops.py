@@ -67,6 +67,9 @@ class NumpyOps:
         y, residual = self.add_rmsnorm(x, residual, weight, eps)
         return y, y, residual  # float32 already
 
+    def router_weight(self, router: np.ndarray) -> np.ndarray:
+        return router.astype(np.float32, copy=False)
+
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
                out_dtype=None) -> np.ndarray:  # float32 already
         y = x @ weight.T
@@ -123,9 +126,9 @@ class NumpyOps:
                     expert_ids: np.ndarray) -> np.ndarray:
         return moe_experts(x, gate_up, down, weights, expert_ids)
 
-    def sparse_moe(self, x: np.ndarray, x_fp32: np.ndarray, router: np.ndarray, gate_up: np.ndarray,
+    def sparse_moe(self, x: np.ndarray, router_input: np.ndarray, router: np.ndarray, gate_up: np.ndarray,
                    down: np.ndarray, top_k: int, renormalize: bool) -> np.ndarray:
-        weights, expert_ids = self.moe_route(self.linear(x_fp32, router), top_k, renormalize)
+        weights, expert_ids = self.moe_route(self.linear(router_input, router), top_k, renormalize)
         return self.moe_experts(x, gate_up, down, weights, expert_ids)
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:

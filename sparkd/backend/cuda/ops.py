@@ -159,20 +159,37 @@ class CudaOps:
                     eps: float) -> tuple[DeviceTensor, DeviceTensor]:
         """residual' is float32 whatever the model dtype: the residual stream is kept unrounded
         (updated in place from the second layer on)."""
-        out, _, residual_out = self._add_rmsnorm(x, residual, weight, eps, with_fp32=False)
+        out = self.allocator.empty(x.shape, x.dtype)
+        residual_out = self._residual_out(x, residual)
+        norm.add_rmsnorm(out, residual_out, residual, x, weight, eps, self.stream)
         return out, residual_out
 
     def add_rmsnorm_for_router(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
                                eps: float) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
-        """One kernel writes both copies of y."""
-        return self._add_rmsnorm(x, residual, weight, eps, with_fp32=True)
+        """In bf16 / fp16 one kernel writes router_input [T, 2H] = [y | y's rounding error], y being
+        its first half (a view): the router then runs on the 16-bit tensor cores and still sees the
+        rows unrounded to ~2^-16 of their size in bf16 (sparse_moe). An fp32 y is its own router_input."""
+        if x.dtype is DType.float32:
+            y, residual_out = self.add_rmsnorm(x, residual, weight, eps)
+            return y, y, residual_out
+        rows, hidden = x.shape
+        router_input = self.allocator.empty((rows, 2 * hidden), x.dtype)
+        y, y_lo = router_input.column_slice(0, hidden), router_input.column_slice(hidden, hidden)
+        residual_out = self._residual_out(x, residual)
+        norm.add_rmsnorm(y, residual_out, residual, x, weight, eps, self.stream, y_lo)
+        return y, router_input, residual_out
 
-    def _add_rmsnorm(self, x, residual, weight, eps, with_fp32: bool):
-        out = self.allocator.empty(x.shape, x.dtype)
-        out_fp32 = self.allocator.empty(x.shape, DType.float32) if with_fp32 else None
-        residual_out = residual if residual.dtype is DType.float32 else self.allocator.empty(x.shape, DType.float32)
-        norm.add_rmsnorm(out, residual_out, residual, x, weight, eps, self.stream, out_fp32)
-        return out, out_fp32, residual_out
+    def _residual_out(self, x: DeviceTensor, residual: DeviceTensor) -> DeviceTensor:
+        """Where residual' goes: residual itself once it is the fp32 stream, else a new fp32 buffer."""
+        return residual if residual.dtype is DType.float32 else self.allocator.empty(x.shape, DType.float32)
+
+    def router_weight(self, router: DeviceTensor) -> DeviceTensor:
+        """[W | W] [E, 2H] in the model dtype beside add_rmsnorm_for_router's split rows (bf16 / fp16:
+        its products are exact in the fp32 accumulator); W itself in fp32."""
+        if router.dtype is DType.float32:
+            return router
+        weight = self.download(router)
+        return self.upload(np.concatenate([weight, weight], axis=1), router.dtype)
 
     def linear(self, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None,
                out_dtype=None) -> DeviceTensor:
@@ -264,11 +281,12 @@ class CudaOps:
         moe_routing.moe_align(alignment, expert_ids, self.stream)
         return self._aligned_experts(x, gate_up, down, weights, alignment)
 
-    def sparse_moe(self, x: DeviceTensor, x_fp32: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
+    def sparse_moe(self, x: DeviceTensor, router_input: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
                    down: DeviceTensor, top_k: int, renormalize: bool) -> DeviceTensor:
-        """The router GEMM (fp32), routing with its alignment in one launch, then `_aligned_experts`."""
+        """The router GEMM (fp32 logits; in bf16 / fp16 [y | y_lo] @ [W | W]^T on the tensor cores),
+        routing with its alignment in one launch, then `_aligned_experts`."""
         num_tokens, num_experts = x.shape[0], router.shape[0]
-        router_logits = self.linear(x_fp32, router, out_dtype=np.float32)
+        router_logits = self.linear(router_input, router, out_dtype=np.float32)
         weights, expert_ids = self._routing_outputs(num_tokens, num_experts, top_k)
         alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
         moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)

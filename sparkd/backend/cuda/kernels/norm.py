@@ -62,13 +62,15 @@ def rmsnorm(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, eps: float
 
 
 def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceTensor, x: DeviceTensor,
-                weight: DeviceTensor, eps: float, stream: Stream, out_fp32: DeviceTensor | None = None) -> None:
+                weight: DeviceTensor, eps: float, stream: Stream, out_lo: DeviceTensor | None = None) -> None:
     """residual_out = x + residual in fp32 (no rounding); out = rmsnorm(residual_out) * weight,
-    and out_fp32 the same unrounded when given.
+    rounded to out's dtype, and out_lo (bf16 / fp16 only) what that rounding lost, in the same
+    dtype: out + out_lo is the unrounded row to ~2^-16 of it in bf16 (a MoE router's input).
 
-    out, x: [R, D] in one dtype; residual [R, D] in x's dtype or float32; residual_out
-    [R, D] float32, which may be residual itself (then updated in place); out_fp32 None or
-    [R, D] float32; weight [D]. All contiguous, outputs distinct from the inputs."""
+    x: [R, D] in out's dtype; residual [R, D] in x's dtype or float32; residual_out [R, D]
+    float32, which may be residual itself (then updated in place); weight [D]; these contiguous.
+    out [R, D], rows possibly spaced (e.g. the first half of [R, 2D]); out_lo None or [R, D]
+    at out's row stride. Outputs distinct from the inputs."""
     require(x.ndim == 2, f"x must be [R, D], got shape {x.shape}")
     require(residual.shape == x.shape and residual.dtype in (x.dtype, DType.float32),
             f"residual must be {x.shape} in {x.dtype.name} or float32, got {residual.shape} {residual.dtype.name}")
@@ -79,30 +81,54 @@ def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceT
     for name, tensor in (("x", x), ("residual", residual), ("residual_out", residual_out)):
         require_contiguous(name, tensor)
     require(out.ptr not in (residual.ptr, residual_out.ptr), "out must not be a residual buffer")
-    require(out_fp32 is None or (out_fp32.shape == x.shape and out_fp32.dtype is DType.float32
-                                 and out_fp32.is_contiguous and out_fp32.ptr not in (residual.ptr, residual_out.ptr)),
-            f"out_fp32 must be a {x.shape} float32 buffer of its own, got {out_fp32}")
     require(x.dtype is out.dtype, f"x must be in out's dtype ({out.dtype.name}), got {x}")
-    _check_operands(out, x, weight, x.shape)
     rows, dim = x.shape
+    ld_out = _row_stride(out)
+    if out_lo is not None:
+        require(out.dtype is not DType.float32, "out_lo is for bf16 / fp16 outputs: an fp32 out loses nothing")
+        require(out_lo.shape == x.shape and out_lo.dtype is out.dtype and _row_stride(out_lo) == ld_out
+                and out_lo.rows_contiguous and not _overlap_rows(out, out_lo, dim, ld_out),
+                f"out_lo must be {x.shape} {out.dtype.name} at out's row stride {ld_out}, apart from out, got {out_lo}")
+    _check_operands(out, x, weight, x.shape, row_stride=ld_out)
     # The fp32 residual moves the same elements per access as x (two 16-byte accesses for bf16's eight).
-    outputs = (out, residual_out) if out_fp32 is None else (out, residual_out, out_fp32)
-    width = vector_width(x.dtype, (*outputs, residual, x, weight), (dim,))
-    args = [out, out_fp32 if out_fp32 is not None else np.uint64(0), residual_out, residual, x, weight, i32(rows),
-            i32(dim), np.float32(eps)]
+    outputs = (out, residual_out) if out_lo is None else (out, residual_out, out_lo)
+    width = vector_width(x.dtype, (*outputs, residual, x, weight), (dim, ld_out))
+    args = [out, out_lo if out_lo is not None else np.uint64(0), np.int64(ld_out), residual_out, residual, x, weight,
+            i32(rows), i32(dim), np.float32(eps)]
     name = _name("add_rmsnorm_kernel", x.dtype, residual.dtype, width)
     _launch(KernelSpec(_SOURCE, name), width, rows, dim, args, stream)
+
+
+def _row_stride(t: DeviceTensor) -> int:
+    """Elements between rows of a 2-D tensor (its width when it has one row)."""
+    return t.row_stride if t.shape[0] > 1 else t.shape[1]
+
+
+def _overlap_rows(a: DeviceTensor, b: DeviceTensor, dim: int, row_stride: int) -> bool:
+    """Whether any row of a (dim elements each) shares memory with a row of b, both of shape
+    [R, dim] with rows row_stride elements apart."""
+    size, pitch = dim * a.dtype.itemsize, row_stride * a.dtype.itemsize
+    if a.shape[0] == 1:
+        return abs(b.ptr - a.ptr) < size
+    offset = (b.ptr - a.ptr) % pitch  # where b's rows start within a's row pitch
+    return offset < size or offset > pitch - size
 
 
 def _overlap(a: DeviceTensor, b: DeviceTensor) -> bool:
     return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
-def _check_operands(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, shape: tuple) -> None:
-    """The rules both kernels share; the caller has checked x's dtype against out's."""
+def _check_operands(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, shape: tuple,
+                    row_stride: int | None = None) -> None:
+    """The rules both kernels share; the caller has checked x's dtype against out's. out is
+    contiguous, or with row_stride given, rows that far apart (at least the row's length)."""
     require_dtype("out", out, *ELEMENT_TYPES)
     require(out.shape == shape, f"out must be {shape}, got {out.shape}")
-    require_contiguous("out", out)
+    if row_stride is None:
+        require_contiguous("out", out)
+    else:
+        require(out.rows_contiguous and row_stride >= shape[-1],
+                f"out's rows must be contiguous and apart by at least their length, got strides {out.strides}")
     require(out.ptr != x.ptr, "out must not be x: the kernel reads x while other rows are written")
     require(weight.shape == (shape[-1],) and weight.dtype is out.dtype,
             f"weight must be [{shape[-1]}] {out.dtype.name}, got {weight.shape} {weight.dtype.name}")
