@@ -303,14 +303,14 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm)
                          k_split, x_row, store);
 }
 
-// expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, in fp32.
-// expert_out [P, H] float32, hidden [P, I], down [E, H, I], all contiguous.
+// expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, summed in fp32
+// and rounded to T. expert_out [P, H], hidden [P, I], down [E, H, I], all in T and contiguous.
 // Launch: grid (ceil(ceil(H / 16) * k_split / kWarps), min(E, P)), 32 * kWarps threads;
 // k_split in {1, 2, 4}. Preconditions (checked by the launcher): H and I are multiples
 // of a 16-byte chunk; hidden and down are 16-byte aligned.
 template <typename T, int kM>
 __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm)
-    moe_down_kernel(float* __restrict__ expert_out, const T* __restrict__ hidden, const T* __restrict__ down,
+    moe_down_kernel(T* __restrict__ expert_out, const T* __restrict__ hidden, const T* __restrict__ down,
                     const int* __restrict__ offsets, const int* __restrict__ active_experts,
                     const int* __restrict__ num_active, int hidden_size, int inter_size, int k_split) {
   int expert;
@@ -329,9 +329,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocksPerSm)
       for (int e = 0; e < 2; ++e) {
         const int m = grp * kGroupRows + 2 * (lane % 4) + e;
         if (m >= num_rows) continue;
-        float* out = expert_out + static_cast<long long>(row0 + m) * hidden_size;
-        if (h_lo < hidden_size) out[h_lo] = acc[grp][e];
-        if (h_hi < hidden_size) out[h_hi] = acc[grp][2 + e];
+        T* out = expert_out + static_cast<long long>(row0 + m) * hidden_size;
+        if (h_lo < hidden_size) out[h_lo] = from_float<T>(acc[grp][e]);
+        if (h_hi < hidden_size) out[h_hi] = from_float<T>(acc[grp][2 + e]);
       }
   };
   run_expert_rows<T, kM>(w_lo, w_hi, tile * kTileRows < hidden_size, offsets + expert, inter_size / (16 / sizeof(T)),

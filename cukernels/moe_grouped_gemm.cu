@@ -300,14 +300,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
-// expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, in fp32.
-// expert_out [P, H] float32, hidden [P, I], down [E, H, I], all contiguous.
+// expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, summed in fp32
+// and rounded to T. expert_out [P, H], hidden [P, I], down [E, H, I], all in T and contiguous.
 // Launch: grid num_slots * ceil(H / kTileN) with num_slots = ceil(P / kTileM) + min(E, P),
 // kThreads threads, dynamic shared memory kStages * kStageBytes. Preconditions (checked by
 // the launcher): H and I are multiples of a 16-byte chunk; hidden and down are 16-byte aligned.
 template <typename T, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_grouped_down_kernel(float* __restrict__ expert_out, const T* __restrict__ hidden, const T* __restrict__ down,
+    moe_grouped_down_kernel(T* __restrict__ expert_out, const T* __restrict__ hidden, const T* __restrict__ down,
                             const int* __restrict__ offsets, const int* __restrict__ tile_starts, int num_experts,
                             int num_slots, int hidden_size, int inter_size) {
   BlockTile tile;
@@ -341,8 +341,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int nt = 0; nt < kNT; ++nt) {
         const int h = h0 + warp_n * kWarpN + nt * 8 + (lane % 4) * 2;
         if (h >= hidden_size) continue;  // H is even, so h + 1 < H too
-        *reinterpret_cast<float2*>(expert_out + static_cast<long long>(row) * hidden_size + h) =
-            make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+        *reinterpret_cast<unsigned*>(expert_out + static_cast<long long>(row) * hidden_size + h) =
+            pack_pair<T>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
       }
     }
 }

@@ -178,11 +178,11 @@ struct GateUpProblem {
   }
 };
 
-// expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, in fp32.
-// expert_out [P, H] float32, hidden [P, I], down [E, H, I], all contiguous.
+// expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, summed in fp32
+// and rounded to T. expert_out [P, H], hidden [P, I], down [E, H, I], all in T and contiguous.
 template <typename T>
 struct DownProblem {
-  float* expert_out;
+  T* expert_out;
   const T* hidden;
   const T* down;
   int hidden_size, inter_size;
@@ -215,8 +215,8 @@ struct DownProblem {
       for (int i = 2 * half; i < kM64N256Outputs; i += 4) {
         const int h = h0 + accumulator_col(i);
         if (h >= hidden_size) continue;  // H is a multiple of 8, so h + 1 < H too
-        *reinterpret_cast<float2*>(expert_out + static_cast<long long>(row) * hidden_size + h) =
-            make_float2(acc[i], acc[i + 1]);
+        *reinterpret_cast<unsigned*>(expert_out + static_cast<long long>(row) * hidden_size + h) =
+            pack_pair<T>(acc[i], acc[i + 1]);
       }
     }
   }
@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_grouped_down_wgmma_kernel(float* __restrict__ expert_out, const T* __restrict__ hidden,
+    moe_grouped_down_wgmma_kernel(T* __restrict__ expert_out, const T* __restrict__ hidden,
                                   const T* __restrict__ down, const int* __restrict__ offsets,
                                   const int* __restrict__ tile_starts, int num_experts, int hidden_size,
                                   int inter_size) {

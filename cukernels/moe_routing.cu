@@ -217,12 +217,13 @@ __global__ void __launch_bounds__(32)
 // ---- combine ----
 
 // out [T, H] in T = sum over j = 0 .. k-1 of weights[t, j] * expert_out[row_of_pair[t * k + j], :],
-// expert_out [P, H] float32. Products and sums are rounded separately (no FMA), in
-// order of j, as the numpy twin computes them. Rows of -1 add nothing.
-// Launch: grid (T, ceil(H / (W * blockDim.x))), each thread W consecutive columns;
-// H % W == 0, expert_out 16-byte and out W-element aligned when W > 1.
+// expert_out [P, H] in T (the expert GEMMs' rounded rows), weights in fp32. Products and sums are
+// fp32, rounded separately (no FMA), in order of j, as the numpy twin computes them; only the
+// sum is rounded to T. Rows of -1 add nothing.
+// Launch: grid (T, ceil(H / (W * blockDim.x))), each thread W consecutive columns; W is 1 or
+// 16 / sizeof(T), and then H % W == 0 and expert_out and out are 16-byte aligned.
 template <typename T, int W>
-__global__ void moe_combine_kernel(T* __restrict__ out, const float* __restrict__ expert_out,
+__global__ void moe_combine_kernel(T* __restrict__ out, const T* __restrict__ expert_out,
                                    const float* __restrict__ weights, const int* __restrict__ row_of_pair,
                                    int hidden, int top_k) {
   const int token = blockIdx.x;
@@ -232,9 +233,11 @@ __global__ void moe_combine_kernel(T* __restrict__ out, const float* __restrict_
   for (int first = 0; first < top_k; first += kCombineBatch) {
     // All of a batch's loads are in flight before the first add: at decode each one
     // is a trip to L2, and k of them in sequence would be the kernel's whole time.
+    // The rows stay in T until their adds, which keeps fewer registers live while the
+    // loads are in flight (fp16 at W = 8: 64 rather than 98).
     int rows[kCombineBatch];
     float batch_weights[kCombineBatch];
-    float values[kCombineBatch][W];
+    Pack<T, W> values[kCombineBatch];
 #pragma unroll
     for (int i = 0; i < kCombineBatch; ++i) {
       const int pair = token * top_k + first + i;
@@ -244,14 +247,16 @@ __global__ void moe_combine_kernel(T* __restrict__ out, const float* __restrict_
 #pragma unroll
     for (int i = 0; i < kCombineBatch; ++i) {
       if (rows[i] >= 0) {
-        load_floats<W>(expert_out + static_cast<long long>(rows[i]) * hidden + col, values[i]);
+        values[i] = *reinterpret_cast<const Pack<T, W>*>(expert_out + static_cast<long long>(rows[i]) * hidden + col);
       }
     }
 #pragma unroll
     for (int i = 0; i < kCombineBatch; ++i) {
       if (rows[i] < 0) continue;
 #pragma unroll
-      for (int c = 0; c < W; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(batch_weights[i], values[i][c]));
+      for (int c = 0; c < W; ++c) {
+        acc[c] = __fadd_rn(acc[c], __fmul_rn(batch_weights[i], to_float(values[i].v[c])));
+      }
     }
   }
   store_floats<W>(out + static_cast<long long>(token) * hidden + col, acc);

@@ -27,6 +27,7 @@ def call_gate_up(launch, routing, hidden=None, x=None, gate_up=None, top_k=K):
 
 
 def call_down(launch, routing, expert_out=None, hidden=None, down=None):
-    """launch(expert_out, hidden, down, *routing[1:], stream None): down takes no sorted_pairs."""
-    launch(expert_out or fake_tensor((T * K, H), "float32"), hidden or fake_tensor((T * K, I)),
+    """launch(expert_out, hidden, down, *routing[1:], stream None): down takes no sorted_pairs;
+    expert_out in the activations' dtype."""
+    launch(expert_out or fake_tensor((T * K, H)), hidden or fake_tensor((T * K, I)),
            down or fake_tensor((E, H, I)), *routing[1:], None)

@@ -51,7 +51,8 @@ def test_k_must_be_whole_16_byte_chunks():
     with pytest.raises(ValueError, match=r"I \(30\) must be a multiple of 8 for bfloat16"):
         _gate_up(hidden=fake_tensor((T * K, 30)), gate_up=fake_tensor((E, 60, H)))
     with pytest.raises(ValueError, match=r"I \(6\) must be a multiple of 4 for float32"):
-        _down(hidden=fake_tensor((T * K, 6), "float32"), down=fake_tensor((E, H, 6), "float32"))
+        _down(expert_out=fake_tensor((T * K, H), "float32"), hidden=fake_tensor((T * K, 6), "float32"),
+              down=fake_tensor((E, H, 6), "float32"))
     with pytest.raises(ValueError, match=r"x's row stride \(68\) must be a multiple of 8"):
         _gate_up(x=fake_tensor((T, H), strides=(68, 1)))
 
@@ -82,8 +83,10 @@ def test_shapes_and_dtypes_must_agree():
         _gate_up(x=fake_tensor((T, H), "int32"))
     with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
         _gate_up(top_k=0)
-    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float32, got \[6, 64\] bfloat16"):
-        _down(expert_out=fake_tensor((T * K, H)))
+    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] bfloat16, got \[6, 64\] float32"):
+        _down(expert_out=fake_tensor((T * K, H), "float32"))
+    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float16, got \[6, 64\] bfloat16"):
+        _down(hidden=fake_tensor((T * K, I), "float16"), down=fake_tensor((E, H, I), "float16"))
     with pytest.raises(ValueError, match="down's last dim must be hidden's intermediate size 32"):
         _down(down=fake_tensor((E, H, 40)))
     with pytest.raises(ValueError, match="down must be contiguous"):

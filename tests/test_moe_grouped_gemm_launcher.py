@@ -57,8 +57,8 @@ def test_the_pipeline_is_as_deep_as_the_devices_shared_memory_allows():
     with pytest.raises(ValueError, match="need 98304 bytes of shared memory per block, this device allows 65536"):
         grouped.pipeline_stages(65536)
     with pytest.raises(ValueError, match=r"stages must be one of \(4, 2\) or None, got 3"):
-        grouped.moe_grouped_down(fake_tensor((T * K, H), "float32"), fake_tensor((T * K, I)), fake_tensor((E, H, I)), *grouped_plan()[1:],
-                                 None, stages=3)
+        grouped.moe_grouped_down(fake_tensor((T * K, H)), fake_tensor((T * K, I)), fake_tensor((E, H, I)),
+                                 *grouped_plan()[1:], None, stages=3)
 
 
 def test_every_kernel_is_registered_for_the_half_types():
@@ -88,7 +88,7 @@ def test_k_must_be_whole_16_byte_chunks_and_operands_aligned():
     with pytest.raises(ValueError, match="needs hidden 16-byte aligned, got 0x10004"):
         _gate_up(hidden=fake_tensor((T * K, I), ptr=0x10004))
     with pytest.raises(ValueError, match="needs expert_out 16-byte aligned"):
-        _down(expert_out=fake_tensor((T * K, H), "float32", ptr=0x10008))
+        _down(expert_out=fake_tensor((T * K, H), ptr=0x10008))
 
 
 def test_shapes_and_dtypes_must_agree():
@@ -98,8 +98,8 @@ def test_shapes_and_dtypes_must_agree():
         _gate_up(gate_up=fake_tensor((E, 2 * I, H), "float16"))
     with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
         _gate_up(top_k=0)
-    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float32, got \[6, 64\] bfloat16"):
-        _down(expert_out=fake_tensor((T * K, H)))
+    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] bfloat16, got \[6, 64\] float32"):
+        _down(expert_out=fake_tensor((T * K, H), "float32"))
     with pytest.raises(ValueError, match="down's last dim must be hidden's intermediate size 32"):
         _down(down=fake_tensor((E, H, 40)))
 
@@ -114,5 +114,5 @@ def test_plan_tensors_must_fit_pairs_and_experts():
         grouped.plan_tiles(fake_tensor((E + 1,), "int64"), offsets, None)
     # 2^30 pairs make 2^23 + 8 M-tile slots; 256 weight tiles of H = 65536 push the grid past 2^31 - 1.
     with pytest.raises(ValueError, match="at most 2147483647 blocks, got 2147485696"):
-        _down(expert_out=fake_tensor((2**30, 65536), "float32"), hidden=fake_tensor((2**30, I)), down=fake_tensor((E, 65536, I)),
+        _down(expert_out=fake_tensor((2**30, 65536)), hidden=fake_tensor((2**30, I)), down=fake_tensor((E, 65536, I)),
               plan=[None, offsets, tile_starts])

@@ -109,9 +109,9 @@ def test_the_operand_rules_are_the_grouped_gemms():
     with pytest.raises(ValueError, match=r"x's row stride \(68\) must be a multiple of 8"):
         _gate_up(x=fake_tensor((T, H), strides=(68, 1)))
     with pytest.raises(ValueError, match="needs expert_out 16-byte aligned"):
-        _down(expert_out=fake_tensor((T * K, H), "float32", ptr=0x10008))
-    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] float32, got \[6, 64\] bfloat16"):
-        _down(expert_out=fake_tensor((T * K, H)))
+        _down(expert_out=fake_tensor((T * K, H), ptr=0x10008))
+    with pytest.raises(ValueError, match=r"expert_out must be \[6, 64\] bfloat16, got \[6, 64\] float32"):
+        _down(expert_out=fake_tensor((T * K, H), "float32"))
 
 
 def test_the_plan_tensors_must_fit_pairs_and_experts():

@@ -1,6 +1,7 @@
 """NumpyOps.moe_route and NumpyOps.moe_experts against straightforward references:
 torch's softmax + topk (transformers' routers), a per-token loop over each token's
-experts in float64, and transformers' own expert module."""
+experts in float64, transformers' own expert module, and an exact float16 case of where
+each expert's row is rounded."""
 
 from __future__ import annotations
 
@@ -126,6 +127,24 @@ def test_experts_match_transformers_expert_module():
         expected = hf_experts(torch.from_numpy(x), torch.from_numpy(expert_ids).long(), torch.from_numpy(weights)).numpy()
     out = OPS.moe_experts(x, gate_up, down, weights, expert_ids)
     np.testing.assert_allclose(out, expected, rtol=RTOL, atol=RTOL * np.abs(expected).max())
+
+
+def test_each_expert_row_is_rounded_to_x_dtype_before_the_fp32_sum():
+    """float16 x: expert 0 gives the row 1 + 2^-12, which rounds to 1 in float16 (10 fraction bits),
+    expert 1 gives -1. Rounded first (as a GPU stores them, and as transformers does) they cancel;
+    summed unrounded they would leave 2^-12, a float16 number."""
+    hidden, intermediate = 8, 4
+    x = np.zeros((1, hidden), np.float16)
+    x[0, 0] = 1
+    gate_up = np.zeros((2, 2 * intermediate, hidden), np.float32)
+    gate_up[:, 0, 0] = 32  # gate column 0: silu(32) = 32 in float32 (exp(-32) is below half an ulp of 1)
+    gate_up[:, intermediate, 0] = 1  # up column 0
+    down = np.zeros((2, hidden, intermediate), np.float32)
+    down[0, :, 0] = (1 + 2**-12) / 32
+    down[1, :, 0] = -1 / 32
+    out = OPS.moe_experts(x, gate_up, down, np.ones((1, 2), np.float32), np.array([[0, 1]], np.int32))
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, np.zeros((1, hidden), np.float16))
 
 
 def test_experts_reject_ids_outside_the_experts():

@@ -119,7 +119,7 @@ def test_align_rejects_ids_that_do_not_fit_the_alignment():
 def combine(out=None, expert_out=None, weights=None, row_of_pair=None):
     """Defaults: T = 3 tokens, k = 2, H = 16."""
     moe_routing.moe_combine(out if out is not None else fake((3, 16), "bfloat16"),
-                            expert_out if expert_out is not None else fake((6, 16)),
+                            expert_out if expert_out is not None else fake((6, 16), "bfloat16"),
                             weights if weights is not None else fake((3, 2)),
                             row_of_pair if row_of_pair is not None else fake((6,), "int32"), None)
 
@@ -131,13 +131,32 @@ def combine(out=None, expert_out=None, weights=None, row_of_pair=None):
     ({"weights": fake((3, 3))}, r"expert_out must be \[T\*k, H\] = \(9, 16\)"),
     ({"row_of_pair": fake((5,), "int32")}, r"row_of_pair must be \[T\*k\] = \[6\]"),
     ({"out": fake((3, 16), "int32")}, "out must be float32 or float16 or bfloat16, got int32"),
-    ({"expert_out": fake((6, 16), "bfloat16")}, "expert_out must be float32, got bfloat16"),
+    ({"expert_out": fake((6, 16))}, "expert_out must be bfloat16, got float32"),
     ({"weights": fake((3, 2), "float16")}, "weights must be float32, got float16"),
     ({"row_of_pair": fake((6,), "int64")}, "row_of_pair must be int32, got int64"),
     ({"out": fake((3, 16), "bfloat16", strides=(32, 1))}, "out must be contiguous"),
-    ({"expert_out": fake((6, 16), strides=(1, 6))}, "expert_out must be contiguous"),
+    ({"expert_out": fake((6, 16), "bfloat16", strides=(1, 6))}, "expert_out must be contiguous"),
 ])
 def test_combine_rejects_bad_operands(operands, message):
     with pytest.raises(ValueError, match=message):
         combine(**operands)
 
+
+
+@pytest.mark.parametrize("dtype,hidden,out_ptr,rows_ptr,expected", [
+    ("bfloat16", 16, 0x10000, 0x20000, ("moe_combine_kernel<__nv_bfloat16, 8>", (3, 1), 32)),
+    ("float16", 4096, 0x10000, 0x20000, ("moe_combine_kernel<__half, 8>", (3, 2), 256)),
+    ("float32", 12, 0x10000, 0x20000, ("moe_combine_kernel<float, 4>", (3, 1), 32)),
+    ("bfloat16", 12, 0x10000, 0x20000, ("moe_combine_kernel<__nv_bfloat16, 1>", (3, 1), 32)),  # H not 16-byte rows
+    ("bfloat16", 16, 0x10000, 0x20008, ("moe_combine_kernel<__nv_bfloat16, 1>", (3, 1), 32)),  # rows misaligned
+    ("bfloat16", 16, 0x10008, 0x20000, ("moe_combine_kernel<__nv_bfloat16, 1>", (3, 1), 32)),  # out misaligned
+])
+def test_combine_moves_16_bytes_of_its_dtype_where_rows_and_addresses_allow(monkeypatch, dtype, hidden, out_ptr,
+                                                                            rows_ptr, expected):
+    """expert_out is in out's dtype: 8 bf16/fp16 or 4 fp32 columns a load when every row and both
+    tensors start on 16 bytes, else one."""
+    launches = []
+    monkeypatch.setattr(moe_routing, "get_kernel", lambda spec: _RecordedLaunch(spec, launches))
+    combine(out=fake((3, hidden), dtype, ptr=out_ptr), expert_out=fake((6, hidden), dtype, ptr=rows_ptr))
+    assert launches == [expected]
+    assert expected[0] in {spec.name for spec in moe_routing.SPECS}

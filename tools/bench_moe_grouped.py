@@ -8,8 +8,8 @@ one dense GEMM of the same FLOPs and against the bf16 8192^3 GEMM rate measured 
 T tokens each choose k distinct experts uniformly at random (P = T*k rows). Active FLOPs
 count the rows routed to each expert, nothing of the padding of its last 128-row tile:
 gate_up 2 * P * 2I * H, down 2 * P * H * I. The cuBLASLt line is [P, 2I] = [P, H] @ [2I, H]^T
-(bf16 out) for gate_up and [P, H] = [P, I] @ [H, I]^T (fp32 out, as the kernel writes) for
-down: the rate a dense GEMM of that size reaches, the ceiling of a grouped one. "tile rows"
+for gate_up and [P, H] = [P, I] @ [H, I]^T for down, both written in the dtype as the kernels
+write them: the rate a dense GEMM of that size reaches, the ceiling of a grouped one. "tile rows"
 is the rows the 128-row M-tiles span over the active rows (wgmma computes an M-tile's second
 64 rows only where it has any). Weights hold 1.0 and x random values;
 the values do not change the timing. The timed launches are replayed from one CUDA graph,
@@ -75,7 +75,7 @@ def bench_tokens(b: Bench, model: str, tokens: int, gate_up: DeviceTensor, down:
     moe_grouped_gemm.plan_tiles(tile_starts, alignment.offsets, b.stream)
     x = b.upload(b.rng.standard_normal((tokens, hidden_size), dtype=np.float32), b.dtype)
     hidden = b.allocator.empty((num_pairs, inter), b.dtype)
-    expert_out = b.allocator.empty((num_pairs, hidden_size), DType.float32)
+    expert_out = b.allocator.empty((num_pairs, hidden_size), b.dtype)
 
     def gate_up_call(gemms) -> None:
         gemms.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets, tile_starts, top_k,
@@ -88,10 +88,10 @@ def bench_tokens(b: Bench, model: str, tokens: int, gate_up: DeviceTensor, down:
     down_flops = 2 * num_pairs * hidden_size * inter
     grouped_rows(b, model, tokens, "moe_grouped_gate_up", gate_up_call, gate_up_flops, tile_rows)
     b.row(model, tokens, f"cuBLASLt {num_pairs}x{2 * inter}x{hidden_size}",
-          dense_seconds(b, num_pairs, 2 * inter, hidden_size, b.dtype), gate_up_flops, "1.00")
+          dense_seconds(b, num_pairs, 2 * inter, hidden_size), gate_up_flops, "1.00")
     grouped_rows(b, model, tokens, "moe_grouped_down", down_call, down_flops, tile_rows)
     b.row(model, tokens, f"cuBLASLt {num_pairs}x{hidden_size}x{inter}",
-          dense_seconds(b, num_pairs, hidden_size, inter, DType.float32), down_flops, "1.00")
+          dense_seconds(b, num_pairs, hidden_size, inter), down_flops, "1.00")
 
 
 def grouped_rows(b: Bench, model: str, tokens: int, name: str, launch, flops: float, tile_rows: str) -> None:
@@ -104,9 +104,9 @@ def grouped_rows(b: Bench, model: str, tokens: int, name: str, launch, flops: fl
         b.row(model, tokens, f"{name} (wgmma, {mma_seconds / seconds:.2f}x mma.sync)", seconds, flops, tile_rows)
 
 
-def dense_seconds(b: Bench, m: int, n: int, k: int, out_dtype: DType) -> float:
-    """Seconds per cuBLASLt call of out [m, n] = x [m, k] @ weight [n, k]^T."""
-    x, weight, out = b.ones((m, k)), b.ones((n, k)), b.allocator.empty((m, n), out_dtype)
+def dense_seconds(b: Bench, m: int, n: int, k: int) -> float:
+    """Seconds per cuBLASLt call of out [m, n] = x [m, k] @ weight [n, k]^T, all in the bench's dtype."""
+    x, weight, out = b.ones((m, k)), b.ones((n, k)), b.allocator.empty((m, n), b.dtype)
     return timed_graph(b.stream, lambda: b.gemm.cublaslt(out, x, weight), b.iters)
 
 

@@ -48,7 +48,7 @@ class Layer:
     weights: DeviceTensor  # [T, k] float32
     alignment: moe_routing.MoeAlignment
     hidden: DeviceTensor  # [P, I]
-    expert_out: DeviceTensor  # [P, H] float32
+    expert_out: DeviceTensor  # [P, H] in the bench's dtype
     num_active: int  # experts the routing chose
 
 
@@ -75,7 +75,7 @@ class Bench(DeviceBench):
             out.append(Layer(gate_up, down, expert_ids,
                              self.upload(np.full((tokens, self.top_k), 1 / self.top_k, np.float32), DType.float32),
                              alignment, self.allocator.empty((num_pairs, self.inter_size), self.dtype),
-                             self.allocator.empty((num_pairs, self.hidden_size), DType.float32),
+                             self.allocator.empty((num_pairs, self.hidden_size), self.dtype),
                              np.unique(ids).size))
         self.stream.synchronize()
         return out

@@ -8,7 +8,7 @@ Routing, alignment and moe_route_align are latency-bound: their bytes (logits re
 ids and alignment written) are tiny, and the time is what a graph-replayed step pays,
 launch included. "route + align" is the two calls in sequence; "route_align" is one
 call (a single launch up to 64 tokens, the two otherwise). The combine reads the
-k fp32 expert rows of every token and writes one bf16 row: at 4096 tokens that is
+k bf16 expert rows of every token and writes one bf16 row: at 4096 tokens that is
 the copy rate's territory. The logits are random normal, so the routing spreads the
 pairs over the experts as real traffic does; the timed launches are replayed from
 one CUDA graph, so Python launch overhead is not counted.
@@ -75,11 +75,11 @@ def bench_tokens(b: Bench, tokens: int) -> None:
     b.report("route_align", shape, route_align, route_bytes + align_bytes)
 
     route_align()  # the combine gathers through this routing's row_of_pair
-    expert_out = b.ones((pairs, HIDDEN), DType.float32)
-    out = b.allocator.empty((tokens, HIDDEN), DType.bfloat16)
-    b.report("moe_combine", f"{tokens}x{TOP_K}x{HIDDEN} -> bf16",
+    expert_out = b.ones((pairs, HIDDEN))
+    out = b.allocator.empty((tokens, HIDDEN), b.dtype)
+    b.report("moe_combine", f"{tokens}x{TOP_K}x{HIDDEN} bf16 -> bf16",
              lambda: moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, b.stream),
-             pairs * HIDDEN * 4 + tokens * HIDDEN * 2)
+             (pairs + tokens) * HIDDEN * b.dtype.itemsize)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -256,8 +256,9 @@ class Ops(Protocol):
         x [T, H], gate_up [E, 2I, H] = [gate | up] per expert, down [E, H, I],
         weights [T, k] float32, expert_ids [T, k] int32 (from `moe_route`) ->
         out[t] = sum_j weights[t, j] * down[e] @ silu_and_mul(gate_up[e] @ x[t]), e = expert_ids[t, j],
-        [T, H] in x's dtype, the sum over j taken in fp32. Experts no token chose are
-        never read. A backend groups the T*k (token, expert) pairs by expert, runs one
+        [T, H] in x's dtype. Each expert's output row is summed in fp32 and rounded to x's dtype
+        (as transformers does), then weighted and summed over j in fp32. Experts no token chose
+        are never read. A backend groups the T*k (token, expert) pairs by expert, runs one
         GEMM per expert on its group (a grouped GEMM on a GPU) and scatters the rows
         back to token order for the weighted combine."""
 
@@ -270,7 +271,8 @@ class Ops(Protocol):
         `add_rmsnorm_for_router`), router (from `router_weight`, E experts), gate_up [E, 2I, H],
         down [E, H, I] -> [T, H] in x's dtype.
         That composition is the reference (NumpyOps); a GPU routes and aligns the pairs
-        for its grouped GEMMs in one launch."""
+        for its grouped GEMMs in one launch. Each expert's output row is rounded to x's
+        dtype before the fp32 weighted sum, as in `moe_experts`."""
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """x + y in y's dtype; y of x's shape, in x's dtype or float32 (the residual stream,

@@ -1,6 +1,7 @@
 """Routing cases and the float64 reference shared by the expert GEMM tests
 (test_moe_gemm.py, test_moe_grouped_gemm.py, test_moe_grouped_wgmma.py): host copies of what
-the alignment kernel makes, so those tests do not depend on it."""
+the alignment kernel makes, so those tests do not depend on it; and `as_stored`, the rounding
+of a result to the device's dtype (also test_moe_routing.py's combine)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from functools import cache
 import numpy as np
 
 from sparkd.backend.cpu.moe import group_by_expert, silu_and_mul
+from sparkd.backend.cuda.transfer import decode, encode
+from sparkd.backend.dtypes import DType
 
 
 @dataclass
@@ -86,14 +89,13 @@ def run_grouped(gpu, gemms, x_dev, gate_up_dev, down_dev, routing: Routing, *opt
     down, each given `options` after the stream: (hidden [P, I], expert_out [P, H], tile_starts
     [E + 1]) as numpy."""
     from sparkd.backend.cuda.kernels import moe_grouped_gemm
-    from sparkd.backend.dtypes import DType
 
     sorted_pairs, offsets, _, _ = routing.upload(gpu)
     num_experts, inter2, hidden_size = gate_up_dev.shape
     num_pairs = routing.sorted_pairs.size
     tile_starts = gpu.empty((num_experts + 1,), DType.int32)
     hidden = gpu.empty((num_pairs, inter2 // 2), x_dev.dtype)
-    expert_out = gpu.empty((num_pairs, hidden_size), DType.float32)
+    expert_out = gpu.empty((num_pairs, hidden_size), x_dev.dtype)
     moe_grouped_gemm.plan_tiles(tile_starts, offsets, gpu.stream)
     gemms.moe_grouped_gate_up(hidden, x_dev, gate_up_dev, sorted_pairs, offsets, tile_starts,
                               routing.expert_ids.shape[1], gpu.stream, *options)
@@ -142,7 +144,6 @@ def check_replay_with_new_routing(gpu, rel_error, tolerance, expert_weights, ker
     from sparkd.backend.cuda.graphs import capture
     from sparkd.backend.cuda.kernels import moe_grouped_gemm
     from sparkd.backend.cuda.transfer import copy_to_device
-    from sparkd.backend.dtypes import DType
 
     rng = np.random.default_rng(4)
     num_tokens, top_k, num_experts = 200, 2, 8
@@ -153,7 +154,7 @@ def check_replay_with_new_routing(gpu, rel_error, tolerance, expert_weights, ker
     sorted_pairs, offsets, _, _ = first.upload(gpu)
     tile_starts = gpu.empty((num_experts + 1,), DType.int32)
     hidden = gpu.empty((num_tokens * top_k, ODD[1]), DType.bfloat16)
-    expert_out = gpu.empty((num_tokens * top_k, ODD[0]), DType.float32)
+    expert_out = gpu.empty((num_tokens * top_k, ODD[0]), DType.bfloat16)
 
     def launch():
         moe_grouped_gemm.plan_tiles(tile_starts, offsets, gpu.stream)
@@ -166,14 +167,21 @@ def check_replay_with_new_routing(gpu, rel_error, tolerance, expert_weights, ker
         copy_to_device(sorted_pairs, second.sorted_pairs, gpu.stream)
         copy_to_device(offsets, second.offsets, gpu.stream)
         graph.replay(gpu.stream)
-        _, expected = reference(x, gate_up, down, second)
+        _, expected = reference(x, gate_up, down, second, "bfloat16")
         assert rel_error(gpu.download(expert_out), expected) <= tolerance["bfloat16"]
     finally:
         graph.destroy()
 
 
-def reference(x, gate_up, down, routing: Routing):
-    """(hidden [P, I], expert_out [P, H]) in float64, rows in expert order."""
+def as_stored(array: np.ndarray, dtype: str) -> np.ndarray:
+    """What a result becomes in the device's `dtype` (via float32, round to nearest even), as float32."""
+    target = DType.parse(dtype)
+    return decode(encode(np.asarray(array, np.float32), target), target).astype(np.float32)
+
+
+def reference(x, gate_up, down, routing: Routing, dtype: str):
+    """(hidden [P, I] in float64, expert_out [P, H] summed in float64 and stored in `dtype`, as the
+    kernels store it), rows in expert order."""
     x, gate_up, down = (np.asarray(a, np.float64) for a in (x, gate_up, down))
     top_k = routing.expert_ids.shape[1]
     hidden = np.zeros((routing.sorted_pairs.size, gate_up.shape[1] // 2))
@@ -182,4 +190,4 @@ def reference(x, gate_up, down, routing: Routing):
         rows = slice(routing.offsets[expert], routing.offsets[expert + 1])
         hidden[rows] = silu_and_mul(x[routing.sorted_pairs[rows] // top_k] @ gate_up[expert].T)
         expert_out[rows] = hidden[rows] @ down[expert].T
-    return hidden, expert_out
+    return hidden, as_stored(expert_out, dtype)

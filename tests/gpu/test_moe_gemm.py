@@ -6,7 +6,7 @@ active_experts, num_active) are built on the host from `group_by_expert`, so the
 tests do not depend on that kernel. The reference multiplies the operands as the
 device holds them (bf16-rounded where bf16), per sorted row:
     hidden[row]     = silu_and_mul(x[tok] @ gate_up[e].T)
-    expert_out[row] = hidden[row] @ down[e].T
+    expert_out[row] = hidden[row] @ down[e].T, rounded to the dtype as the kernel stores it
 Relative error is max |gpu - ref| / max |ref|: <= 1e-5 for fp32, <= 1e-2 for bf16/fp16
 (for expert_out that includes hidden's rounding to bf16/fp16).
 """
@@ -37,7 +37,7 @@ def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing, launch_plan=None):
     sorted_pairs, offsets, active_experts, num_active = routing.upload(gpu)
     num_pairs, inter, hidden_size = routing.sorted_pairs.size, gate_up_dev.shape[1] // 2, gate_up_dev.shape[2]
     hidden = gpu.empty((num_pairs, inter), x_dev.dtype)
-    expert_out = gpu.empty((num_pairs, hidden_size), DType.float32)
+    expert_out = gpu.empty((num_pairs, hidden_size), x_dev.dtype)
     moe_gemm.moe_gate_up(hidden, x_dev, gate_up_dev, sorted_pairs, offsets, active_experts, num_active,
                          routing.expert_ids.shape[1], gpu.stream, launch_plan)
     moe_gemm.moe_down(expert_out, hidden, down_dev, offsets, active_experts, num_active, gpu.stream, launch_plan)
@@ -47,7 +47,7 @@ def _run(gpu, x_dev, gate_up_dev, down_dev, routing: Routing, launch_plan=None):
 def _check(gpu, rel_error, tolerance, dtype, x_dev, gate_up_dev, down_dev, routing: Routing, launch_plan=None):
     hidden, expert_out = _run(gpu, x_dev, gate_up_dev, down_dev, routing, launch_plan)
     x, gate_up, down = gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev)
-    hidden_ref, expert_out_ref = reference(x, gate_up, down, routing)
+    hidden_ref, expert_out_ref = reference(x, gate_up, down, routing, dtype)
     assert np.all(np.isfinite(hidden)) and np.all(np.isfinite(expert_out)), "an idle expert's weights were used"
     assert rel_error(hidden, hidden_ref) <= tolerance[dtype]
     assert rel_error(expert_out, expert_out_ref) <= tolerance[dtype]
@@ -173,7 +173,7 @@ def test_launches_replay_in_a_cuda_graph_with_new_routing(gpu, rel_error, tolera
     x_dev = gpu.upload(rng.standard_normal((5, HIDDEN), dtype=np.float32), "bfloat16")
     routing_dev = first.upload(gpu)
     hidden = gpu.empty((10, INTER), DType.bfloat16)
-    expert_out = gpu.empty((10, HIDDEN), DType.float32)
+    expert_out = gpu.empty((10, HIDDEN), DType.bfloat16)
 
     def launch():
         moe_gemm.moe_gate_up(hidden, x_dev, gate_up_dev, *routing_dev, 2, gpu.stream)
@@ -186,7 +186,8 @@ def test_launches_replay_in_a_cuda_graph_with_new_routing(gpu, rel_error, tolera
                                               second.num_active)):
             copy_to_device(device, host, gpu.stream)
         graph.replay(gpu.stream)
-        _, expected = reference(gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev), second)
+        _, expected = reference(gpu.download(x_dev), gpu.download(gate_up_dev), gpu.download(down_dev), second,
+                                "bfloat16")
         assert rel_error(gpu.download(expert_out), expected) <= tolerance["bfloat16"]
     finally:
         graph.destroy()

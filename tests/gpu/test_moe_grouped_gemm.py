@@ -4,7 +4,7 @@ moe_grouped_down) against numpy in float64, and CudaOps.moe_experts on that path
 As in test_moe_gemm.py, the alignment kernel's outputs are built on the host, and the
 reference multiplies the operands as the device holds them, per sorted row:
     hidden[row]     = silu_and_mul(x[tok] @ gate_up[e].T)
-    expert_out[row] = hidden[row] @ down[e].T
+    expert_out[row] = hidden[row] @ down[e].T, rounded to the dtype as the kernel stores it
 Relative error is max |gpu - ref| / max |ref| <= 1e-2 (bf16/fp16; for expert_out that
 includes hidden's rounding).
 """
@@ -45,7 +45,7 @@ def _check(gpu, rel_error, tolerance, dtype, x_dev, x, weights, routing: Routing
     """Runs the GEMMs and compares both outputs; weights = (gate_up_dev, down_dev, gate_up, down)."""
     gate_up_dev, down_dev, gate_up, down = weights
     hidden, expert_out = _run(gpu, x_dev, gate_up_dev, down_dev, routing, stages)
-    hidden_ref, expert_out_ref = reference(x, gate_up, down, routing)
+    hidden_ref, expert_out_ref = reference(x, gate_up, down, routing, dtype)
     assert np.all(np.isfinite(hidden)) and np.all(np.isfinite(expert_out)), "an idle expert's weights were used"
     assert rel_error(hidden, hidden_ref) <= tolerance[dtype]
     assert rel_error(expert_out, expert_out_ref) <= tolerance[dtype]

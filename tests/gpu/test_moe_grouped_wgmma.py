@@ -5,7 +5,7 @@ mma.sync kernels (moe_grouped_gemm) run on the same inputs. The pieces they are 
 As in test_moe_grouped_gemm.py, the alignment kernel's outputs are built on the host and the
 reference multiplies the operands as the device holds them, per sorted row:
     hidden[row]     = silu_and_mul(x[tok] @ gate_up[e].T)
-    expert_out[row] = hidden[row] @ down[e].T
+    expert_out[row] = hidden[row] @ down[e].T, rounded to the dtype as the kernel stores it
 Relative error is max |gpu - ref| / max |ref| <= 1e-2 (bf16/fp16; for expert_out against numpy
 that includes hidden's rounding). Every test skips off sm_90.
 """
@@ -18,7 +18,7 @@ import pytest
 from sparkd.backend.cpu.moe import silu_and_mul
 from sparkd.backend.cuda.kernels import moe_grouped_gemm, moe_grouped_wgmma
 
-from .moe_cases import (Routing, cached_expert_weights, check_idle_experts_and_spaced_rows,
+from .moe_cases import (Routing, as_stored, cached_expert_weights, check_idle_experts_and_spaced_rows,
                          check_replay_with_new_routing, one_expert_takes_every_token, random_choices,
                          random_tokens, reference, run_grouped)
 
@@ -51,7 +51,7 @@ def _run(gpu, gemms, x_dev, gate_up_dev, down_dev, routing: Routing):
     return run_grouped(gpu, gemms, x_dev, gate_up_dev, down_dev, routing)[:2]
 
 
-def _reference_rows(x, gate_up, down, routing: Routing, rows: np.ndarray):
+def _reference_rows(x, gate_up, down, routing: Routing, rows: np.ndarray, dtype: str):
     """`reference` at the sorted rows `rows` only: (hidden [len(rows), I], expert_out [len(rows), H])."""
     top_k = routing.expert_ids.shape[1]
     experts = np.searchsorted(routing.offsets, rows, side="right") - 1
@@ -62,7 +62,7 @@ def _reference_rows(x, gate_up, down, routing: Routing, rows: np.ndarray):
         tokens = routing.sorted_pairs[rows[at]] // top_k
         hidden[at] = silu_and_mul(x[tokens].astype(np.float64) @ gate_up[expert].astype(np.float64).T)
         expert_out[at] = hidden[at] @ down[expert].astype(np.float64).T
-    return hidden, expert_out
+    return hidden, as_stored(expert_out, dtype)
 
 
 def _check(gpu, rel_error, tolerance, dtype, x_dev, x, weights, routing: Routing, sampled=False):
@@ -79,10 +79,10 @@ def _check(gpu, rel_error, tolerance, dtype, x_dev, x, weights, routing: Routing
     if sampled:
         rng = np.random.default_rng(num_pairs)
         rows = np.unique(np.concatenate([[0, num_pairs - 1], rng.choice(num_pairs, SAMPLED_ROWS, replace=False)]))
-        hidden_ref, expert_out_ref = _reference_rows(x, gate_up, down, routing, rows)
+        hidden_ref, expert_out_ref = _reference_rows(x, gate_up, down, routing, rows, dtype)
         hidden, expert_out = hidden[rows], expert_out[rows]
     else:
-        hidden_ref, expert_out_ref = reference(x, gate_up, down, routing)
+        hidden_ref, expert_out_ref = reference(x, gate_up, down, routing, dtype)
     assert rel_error(hidden, hidden_ref) <= tolerance[dtype]
     assert rel_error(expert_out, expert_out_ref) <= tolerance[dtype]
     return expert_out

@@ -55,7 +55,8 @@ def moe_experts(
     x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, weights: np.ndarray, expert_ids: np.ndarray
 ) -> np.ndarray:
     """x [T, H], gate_up [E, 2I, H], down [E, H, I], weights [T, k], expert_ids [T, k]
-    -> sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t]), [T, H] in x's dtype."""
+    -> sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t]), [T, H] in x's dtype. Each expert's
+    output row is rounded to x's dtype (as a GPU stores it) before the fp32 weighted sum."""
     if weights.shape != expert_ids.shape or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T={x.shape[0]}, k]")
     num_tokens, top_k = expert_ids.shape
@@ -64,6 +65,6 @@ def moe_experts(
     for expert in np.flatnonzero(np.diff(offsets)):
         rows = pairs[offsets[expert] : offsets[expert + 1]]
         hidden = silu_and_mul(x[rows // top_k] @ gate_up[expert].T)  # [n, I]
-        pair_out[rows] = hidden @ down[expert].T
+        pair_out[rows] = (hidden @ down[expert].T).astype(x.dtype, copy=False)
     pair_out *= weights.reshape(-1, 1)
     return pair_out.reshape(num_tokens, top_k, -1).sum(axis=1).astype(x.dtype, copy=False)

@@ -311,7 +311,7 @@ class CudaOps:
         num_experts, inter2, hidden_size = gate_up.shape
         num_pairs = num_tokens * top_k
         hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
-        expert_out = self.allocator.empty((num_pairs, hidden_size), DType.float32)
+        expert_out = self.allocator.empty((num_pairs, hidden_size), x.dtype)  # rounded as moe_experts says
         if moe_grouped_gemm.use_grouped_gemm(num_pairs, num_experts, x.dtype):
             tile_starts = self.allocator.empty((num_experts + 1,), DType.int32)
             moe_grouped_gemm.plan_tiles(tile_starts, alignment.offsets, self.stream)

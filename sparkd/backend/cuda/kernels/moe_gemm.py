@@ -6,7 +6,7 @@ I expert intermediate size. The rows of both outputs are the pairs in expert ord
 sorted_pairs [P], offsets [E+1], active_experts [min(E, P)] and num_active [1], int32.
 
     moe_gate_up: hidden [P, I] = silu(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T), in x's dtype
-    moe_down:    expert_out [P, H] float32 = hidden @ down[e]^T
+    moe_down:    expert_out [P, H] = hidden @ down[e]^T, summed in fp32, in hidden's dtype
 
 A warp streams a tile of 16 weight rows of one expert into tensor-core operands (bf16 /
 fp16; fp32, the parity mode, sums by IEEE FMA on the CUDA cores in a fixed order) and runs
@@ -126,8 +126,8 @@ def moe_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor,
              active_experts: DeviceTensor, num_active: DeviceTensor, stream: Stream,
              launch_plan: ExpertGemmPlan | None = None) -> None:
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every active expert e.
-    hidden [P, I], down [E, H, I] in hidden's dtype, expert_out [P, H] float32; fp32 accumulation.
-    launch_plan: None for `plan`'s choice."""
+    hidden [P, I], down [E, H, I] and expert_out [P, H] in hidden's dtype; fp32 accumulation, each
+    output rounded once. launch_plan: None for `plan`'s choice."""
     shapes = check_down_operands(expert_out, hidden, down, ELEMENT_TYPES)
     num_pairs, num_experts, hidden_size, inter_size = shapes
     _require_routing(None, offsets, active_experts, num_active, num_pairs, num_experts)
@@ -182,8 +182,8 @@ def check_gate_up_operands(hidden: DeviceTensor, x: DeviceTensor, gate_up: Devic
 def check_down_operands(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor,
                         dtypes: tuple[DType, ...]) -> ExpertShapes:
     """The operand rules of every down kernel: hidden [P, I] in one of `dtypes`, down [E, H, I]
-    in its dtype, expert_out [P, H] float32, all contiguous, H and I whole 16-byte chunks,
-    16-byte aligned."""
+    and expert_out [P, H] in its dtype, all contiguous, H and I whole 16-byte chunks, 16-byte
+    aligned."""
     require(hidden.ndim == 2, f"hidden must be [P, I], got shape {hidden.shape}")
     require(down.ndim == 3, f"down must be [E, H, I], got shape {down.shape}")
     num_pairs, inter_size = hidden.shape
@@ -193,7 +193,7 @@ def check_down_operands(expert_out: DeviceTensor, hidden: DeviceTensor, down: De
     require_dtype("hidden", hidden, *dtypes)
     require_contiguous("hidden", hidden)
     _require_weights("down", down, hidden.dtype)
-    _require_rows("expert_out", expert_out, (num_pairs, hidden_size), DType.float32)
+    _require_rows("expert_out", expert_out, (num_pairs, hidden_size), hidden.dtype)
     _require_chunks(hidden.dtype, {"H": hidden_size, "I": inter_size})
     _require_aligned(hidden=hidden, down=down, expert_out=expert_out)
     return ExpertShapes(num_pairs, num_experts, hidden_size, inter_size)

@@ -6,7 +6,7 @@ in expert order as the alignment kernel (`moe_routing.py`) lays them out:
 
     plan_tiles:          tile_starts [E+1] int32 <- offsets [E+1]: each expert's first M-tile
     moe_grouped_gate_up: hidden [P, I] = silu(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T), in x's dtype
-    moe_grouped_down:    expert_out [P, H] float32 = hidden @ down[e]^T
+    moe_grouped_down:    expert_out [P, H] = hidden @ down[e]^T, summed in fp32, in hidden's dtype
 
 bf16 and fp16 only (mma.sync m16n8k16, fp32 accumulation); fp32 stays on moe_gemm. A block
 computes TILE_M sorted rows of one expert against 256 weight rows, so an expert's weights
@@ -113,8 +113,8 @@ def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTe
 def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
                      tile_starts: DeviceTensor, stream: Stream, stages: int | None = None) -> None:
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every expert e that has rows.
-    hidden [P, I] (bf16/fp16), down [E, H, I] in hidden's dtype, expert_out [P, H] float32;
-    tile_starts from `plan_tiles`; fp32 accumulation. stages: as for moe_grouped_gate_up."""
+    hidden [P, I] (bf16/fp16), down [E, H, I] and expert_out [P, H] in hidden's dtype; tile_starts
+    from `plan_tiles`; fp32 accumulation, each output rounded once. stages: as for moe_grouped_gate_up."""
     _require_stages(stages)
     num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, DTYPES)
     weight_tiles = -(-hidden_size // _TILE_N)

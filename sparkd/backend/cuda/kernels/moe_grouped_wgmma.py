@@ -7,7 +7,7 @@ lays them out; tile_starts from `moe_grouped_gemm.plan_tiles`, whose 128-row M-t
 kernels share):
 
     moe_grouped_gate_up: hidden [P, I] = silu(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T), in x's dtype
-    moe_grouped_down:    expert_out [P, H] float32 = hidden @ down[e]^T
+    moe_grouped_down:    expert_out [P, H] = hidden @ down[e]^T, summed in fp32, in hidden's dtype
 
 bf16 and fp16, fp32 accumulation. A block is one producer warpgroup (cp.async into a 4-stage
 ring, mbarriers) and two consumer warpgroups (wgmma m64n256k16, 64 rows each); the grid is
@@ -81,8 +81,8 @@ def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTe
 def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
                      tile_starts: DeviceTensor, stream: Stream) -> None:
     """expert_out[row] = down[e] @ hidden[row] for every sorted row of every expert e that has rows.
-    hidden [P, I] (bf16/fp16), down [E, H, I] in hidden's dtype, expert_out [P, H] float32;
-    tile_starts from `moe_grouped_gemm.plan_tiles`."""
+    hidden [P, I] (bf16/fp16), down [E, H, I] and expert_out [P, H] in hidden's dtype; tile_starts
+    from `moe_grouped_gemm.plan_tiles`; fp32 accumulation, each output rounded once."""
     num_pairs, num_experts, hidden_size, inter_size = check_down_operands(expert_out, hidden, down, DTYPES)
     weight_tiles = -(-hidden_size // _TILE_N)
     require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)

@@ -7,9 +7,10 @@ A MoE block on the device runs, all on one stream and graph-capturable:
       pairs sorted by expert into a `MoeAlignment` (the twin of group_by_expert, plus
       the inverse map and the active experts): one launch up to FUSED_MAX_TOKENS
       tokens (one warp's up to WARP_MAX_PAIRS pairs), else moe_route then moe_align;
-  the expert GEMMs (moe_gemm.py), writing expert_out [P, H] float32 in expert order;
+  the expert GEMMs (moe_gemm.py), writing expert_out [P, H] in the activations' dtype, in
+      expert order;
   moe_combine(out, expert_out, weights, row_of_pair, stream)
-      out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]], [T, H].
+      out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]] in fp32, [T, H].
 moe_route and moe_align also run alone (ids that did not come from the device's routing).
 Pair p = t*k + j is token t's j-th choice; P = T*k.
 """
@@ -26,13 +27,15 @@ from ..driver import Stream
 from ..memory import DeviceAllocator
 from ..tensor import DeviceTensor
 from . import (
-    ACCESS_BYTES,
     ELEMENT_TYPES,
+    element_name,
+    element_specs,
     i32,
     require,
     require_contiguous,
     require_dtype,
     round_up,
+    vector_width,
 )
 
 _SOURCE = "moe_routing.cu"
@@ -53,7 +56,6 @@ _FUSED_THREADS = 512  # kFusedThreads
 # _MIN_COUNT_BLOCKS keep the ranking short when E is large.
 _COUNTS_BUDGET = 4096
 _MIN_COUNT_BLOCKS = 16
-_COMBINE_WIDTH = 4  # fp32 columns of expert_out per 16-byte load
 _COMBINE_THREADS = 256
 
 _ALIGN = KernelSpec(_SOURCE, "moe_align_kernel")
@@ -73,14 +75,10 @@ def _route_align_warp_spec(dtype: DType) -> KernelSpec:
     return KernelSpec(_SOURCE, f"moe_route_align_warp_kernel<{dtype.c_type}>")
 
 
-def _combine_spec(dtype: DType, width: int) -> KernelSpec:
-    return KernelSpec(_SOURCE, f"moe_combine_kernel<{dtype.c_type}, {width}>")
-
-
 SPECS = ([spec(dtype) for spec in (_route_spec, _route_align_spec, _route_align_warp_spec)
           for dtype in ELEMENT_TYPES]
          + [_ALIGN, _ALIGN_COUNT, _ALIGN_SCATTER]
-         + [_combine_spec(dtype, width) for dtype in ELEMENT_TYPES for width in (1, _COMBINE_WIDTH)])
+         + element_specs(_SOURCE, "moe_combine_kernel"))
 
 
 def _check_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor) -> None:
@@ -232,9 +230,9 @@ def moe_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: 
 
 def moe_combine(out: DeviceTensor, expert_out: DeviceTensor, weights: DeviceTensor, row_of_pair: DeviceTensor,
                 stream: Stream) -> None:
-    """out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]], j = 0..k-1 in fp32:
-    out [T, H] (float32/float16/bfloat16), expert_out [P, H] float32, weights [T, k] float32,
-    row_of_pair [P] int32 (a `MoeAlignment`'s); all contiguous."""
+    """out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]], j = 0..k-1 in fp32, rounded
+    to out's dtype once: out [T, H] (float32/float16/bfloat16), expert_out [P, H] in out's dtype,
+    weights [T, k] float32, row_of_pair [P] int32 (a `MoeAlignment`'s); all contiguous."""
     require(out.ndim == 2 and expert_out.ndim == 2 and weights.ndim == 2,
             f"out [T, H], expert_out [P, H] and weights [T, k] must be 2-D, got {out.shape}, {expert_out.shape}, "
             f"{weights.shape}")
@@ -246,17 +244,15 @@ def moe_combine(out: DeviceTensor, expert_out: DeviceTensor, weights: DeviceTens
             f"expert_out must be [T*k, H] = {(num_pairs, hidden)}, got {expert_out.shape}")
     require(row_of_pair.shape == (num_pairs,), f"row_of_pair must be [T*k] = [{num_pairs}], got {row_of_pair.shape}")
     require_dtype("out", out, *ELEMENT_TYPES)
-    require_dtype("expert_out", expert_out, DType.float32)
+    require_dtype("expert_out", expert_out, out.dtype)
     require_dtype("weights", weights, DType.float32)
     require_dtype("row_of_pair", row_of_pair, DType.int32)
     for name, tensor in (("out", out), ("expert_out", expert_out), ("weights", weights), ("row_of_pair", row_of_pair)):
         require_contiguous(name, tensor)
     if out.numel == 0:
         return
-    vectorised = (hidden % _COMBINE_WIDTH == 0 and expert_out.ptr % ACCESS_BYTES == 0
-                  and out.ptr % (_COMBINE_WIDTH * out.dtype.itemsize) == 0)
-    width = _COMBINE_WIDTH if vectorised else 1
+    width = vector_width(out.dtype, (out, expert_out), (hidden,))  # 16-byte loads of expert_out and stores of out
     threads = min(_COMBINE_THREADS, round_up(hidden // width, 32))
-    get_kernel(_combine_spec(out.dtype, width)).launch(
+    get_kernel(KernelSpec(_SOURCE, element_name("moe_combine_kernel", out.dtype, width))).launch(
         (num_tokens, -(-hidden // (width * threads))), threads,
         [out, expert_out, weights, row_of_pair, i32(hidden), i32(top_k)], stream=stream)
