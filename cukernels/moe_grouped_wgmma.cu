@@ -123,6 +123,25 @@ __device__ __forceinline__ Ring shared_ring() {
   return {tiles, smem_addr(tiles + kStages * kStageBytes)};
 }
 
+// Stores one row of a consumer's outputs in T, 8 bytes a lane: word(g) is this lane's packed pair
+// of column group g (columns 8g + 2 (lane % 4) and the next), g < kGroups, and store(col, v)
+// writes columns col .. col + 3 of the row. Lanes c and c ^ 1 of a quad trade one word of each
+// two groups, so that a quad's four stores cover columns 8g .. 8g + 15: whole 32-byte sectors,
+// where a lane's own 4-byte pairs would fill half sectors (measured slower: run 45). Every lane
+// of the warp calls it (the trade is a shuffle); store decides what is in bounds.
+template <int kGroups, typename Word, typename Store>
+__device__ __forceinline__ void store_row_words(const Word& word, const Store& store) {
+  const int c = threadIdx.x % 4;
+  const bool even = c % 2 == 0;
+#pragma unroll
+  for (int g = 0; g < kGroups; g += 2) {
+    const unsigned first = word(g), second = word(g + 1);
+    const unsigned got = __shfl_xor_sync(kFullMask, even ? second : first, 1);
+    // Even lanes keep group g's columns 2c .. 2c + 3, odd lanes take group g + 1's 2c - 2 .. 2c + 1.
+    store(8 * g + (even ? 2 * c : 8 + 2 * (c - 1)), even ? make_uint2(first, got) : make_uint2(got, second));
+  }
+}
+
 // hidden[row, c] = silu(x[tok] . gate[e, c]) * (x[tok] . up[e, c]) for every sorted row of
 // expert e, tok = sorted_pairs[row] / top_k; silu(g) = g / (1 + exp(-g)).
 // hidden [P, I] contiguous, x [T, H] (row stride ld_x), gate_up [E, 2I, H] contiguous.
@@ -160,20 +179,21 @@ struct GateUpProblem {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = tile.row0 + consumer * kConsumerRows + accumulator_row(2 * half);
-      if (row >= tile.row_end) continue;
-#pragma unroll
-      for (int i = 2 * half; i < kM64N256Outputs / 2; i += 4) {
-        const int col = col0 + accumulator_col(i);
-        if (col >= inter_size) continue;  // I is a multiple of 8, so col + 1 < I too
-        float out[2];
+      T* out = hidden + static_cast<long long>(row) * inter_size + col0;
+      const auto word = [&](int group) {
+        const int i = 4 * group + 2 * half;
+        float value[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const float gate = acc[i + j], up = acc[i + j + kM64N256Outputs / 2];
-          out[j] = gate / (1.f + expf(-gate)) * up;
+          value[j] = gate / (1.f + expf(-gate)) * up;
         }
-        *reinterpret_cast<unsigned*>(hidden + static_cast<long long>(row) * inter_size + col) =
-            pack_pair<T>(out[0], out[1]);
-      }
+        return pack_pair<T>(value[0], value[1]);
+      };
+      // I is a multiple of 8, so a column below it has its next three below it too.
+      store_row_words<kHalfN / 8>(word, [&](int col, uint2 v) {
+        if (row < tile.row_end && col0 + col < inter_size) *reinterpret_cast<uint2*>(out + col) = v;
+      });
     }
   }
 };
@@ -210,14 +230,15 @@ struct DownProblem {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = tile.row0 + consumer * kConsumerRows + accumulator_row(2 * half);
-      if (row >= tile.row_end) continue;
-#pragma unroll
-      for (int i = 2 * half; i < kM64N256Outputs; i += 4) {
-        const int h = h0 + accumulator_col(i);
-        if (h >= hidden_size) continue;  // H is a multiple of 8, so h + 1 < H too
-        *reinterpret_cast<unsigned*>(expert_out + static_cast<long long>(row) * hidden_size + h) =
-            pack_pair<T>(acc[i], acc[i + 1]);
-      }
+      T* out = expert_out + static_cast<long long>(row) * hidden_size + h0;
+      const auto word = [&](int group) {
+        const int i = 4 * group + 2 * half;
+        return pack_pair<T>(acc[i], acc[i + 1]);
+      };
+      // H is a multiple of 8, so a column below it has its next three below it too.
+      store_row_words<kTileN / 8>(word, [&](int col, uint2 v) {
+        if (row < tile.row_end && h0 + col < hidden_size) *reinterpret_cast<uint2*>(out + col) = v;
+      });
     }
   }
 };

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))
-    served = print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 2), args.steps, copy_rate, gemm_flops,
+    served = print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 5), args.steps, copy_rate, gemm_flops,
                                    rng)
     # Eager: compiling transformers' expert loop for a static cache takes minutes.
     peer = None if args.no_transformers else transformers_decode(QWEN3_30B_A3B, "qwen3_moe", args.layers, PEER_TOKENS,
