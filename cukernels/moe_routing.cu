@@ -222,6 +222,23 @@ __global__ void __launch_bounds__(32)
 // sum is rounded to T. Rows of -1 add nothing.
 // Launch: grid (T, ceil(H / (W * blockDim.x))), each thread W consecutive columns; W is 1 or
 // 16 / sizeof(T), and then H % W == 0 and expert_out and out are 16-byte aligned.
+// Marks a loaded pack as changed here, so that its elements are widened to fp32 at their add,
+// not as soon as they arrive: ptxas otherwise holds a batch's bf16 rows as fp32 (96 registers
+// at W = 8, two blocks an SM; the 4096-token prefill's combine then ran at 0.70 of the copy rate,
+// run 45) where the packed rows need 64.
+template <typename T, int W>
+__device__ __forceinline__ void keep_packed(Pack<T, W>& pack) {
+  if constexpr (sizeof(pack) % 4 == 0) {
+    unsigned* words = reinterpret_cast<unsigned*>(&pack);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(pack) / 4); ++i) asm volatile("" : "+r"(words[i]));
+  } else {
+    unsigned short* halves = reinterpret_cast<unsigned short*>(&pack);  // one 16-bit element
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(pack) / 2); ++i) asm volatile("" : "+h"(halves[i]));
+  }
+}
+
 template <typename T, int W>
 __global__ void moe_combine_kernel(T* __restrict__ out, const T* __restrict__ expert_out,
                                    const float* __restrict__ weights, const int* __restrict__ row_of_pair,
@@ -233,8 +250,8 @@ __global__ void moe_combine_kernel(T* __restrict__ out, const T* __restrict__ ex
   for (int first = 0; first < top_k; first += kCombineBatch) {
     // All of a batch's loads are in flight before the first add: at decode each one
     // is a trip to L2, and k of them in sequence would be the kernel's whole time.
-    // The rows stay in T until their adds, which keeps fewer registers live while the
-    // loads are in flight (fp16 at W = 8: 64 rather than 98).
+    // The rows stay in T until their adds (keep_packed), which keeps fewer registers live
+    // while the loads are in flight.
     int rows[kCombineBatch];
     float batch_weights[kCombineBatch];
     Pack<T, W> values[kCombineBatch];
@@ -253,6 +270,7 @@ __global__ void moe_combine_kernel(T* __restrict__ out, const T* __restrict__ ex
 #pragma unroll
     for (int i = 0; i < kCombineBatch; ++i) {
       if (rows[i] < 0) continue;
+      keep_packed(values[i]);
 #pragma unroll
       for (int c = 0; c < W; ++c) {
         acc[c] = __fadd_rn(acc[c], __fmul_rn(batch_weights[i], to_float(values[i].v[c])));
