@@ -1,7 +1,8 @@
 """Routing cases and the float64 reference shared by the expert GEMM tests
 (test_moe_gemm.py, test_moe_grouped_gemm.py, test_moe_grouped_wgmma.py): host copies of what
-the alignment kernel makes, so those tests do not depend on it; and `as_stored`, the rounding
-of a result to the device's dtype (also test_moe_routing.py's combine)."""
+the alignment kernel makes, so those tests do not depend on it; `as_stored`, the rounding
+of a result to the device's dtype; and the combine on the device and its numpy loop
+(test_moe_combine.py, test_moe_routing.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from functools import cache
 import numpy as np
 
 from sparkd.backend.cpu.moe import group_by_expert, silu_and_mul
+from sparkd.backend.cuda.kernels import moe_routing
 from sparkd.backend.cuda.transfer import decode, encode
 from sparkd.backend.dtypes import DType
 
@@ -191,3 +193,21 @@ def reference(x, gate_up, down, routing: Routing, dtype: str):
         hidden[rows] = silu_and_mul(x[routing.sorted_pairs[rows] // top_k] @ gate_up[expert].T)
         expert_out[rows] = hidden[rows] @ down[expert].T
     return hidden, as_stored(expert_out, dtype)
+
+
+def combine_on_device(gpu, expert_out, weights, row_of_pair, dtype) -> np.ndarray:
+    out = gpu.empty((weights.shape[0], expert_out.shape[1]), dtype)
+    moe_routing.moe_combine(out, gpu.upload(expert_out, dtype), gpu.upload(weights),
+                            gpu.upload(row_of_pair.astype(np.int32)), gpu.stream)
+    return gpu.download(out)
+
+
+def reference_combine(expert_out, weights, row_of_pair) -> np.ndarray:
+    """out[t] = sum_j weights[t, j] * expert_out[row_of_pair[t*k + j]] in float32, j in order,
+    each product and each sum rounded on its own."""
+    num_tokens, top_k = weights.shape
+    rows = expert_out[row_of_pair.reshape(num_tokens, top_k)]  # [T, k, H]
+    out = np.zeros((num_tokens, expert_out.shape[1]), np.float32)
+    for j in range(top_k):
+        out = out + weights[:, j, None] * rows[:, j]
+    return out
