@@ -142,6 +142,24 @@ __device__ __forceinline__ void store_row_words(const Word& word, const Store& s
   }
 }
 
+// A consumer's outputs of one tile, both accumulator row halves through store_row_words: out
+// points at the tile's first output column of sorted row 0, rows ld elements apart; word(half,
+// group) is the lane's packed pair of column group `group` in row half `half`. Columns at or past
+// cols (a multiple of 8 past the tile's first, so a column below it has its next three below it
+// too) and rows past the tile's are not stored.
+template <int kGroups, typename T, typename Word>
+__device__ __forceinline__ void store_tile_rows(const Tile& tile, int consumer, T* out, long long ld, int cols,
+                                                const Word& word) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = tile.row0 + consumer * kConsumerRows + accumulator_row(2 * half);
+    T* row_out = out + static_cast<long long>(row) * ld;
+    store_row_words<kGroups>([&](int group) { return word(half, group); }, [&](int col, uint2 v) {
+      if (row < tile.row_end && col < cols) *reinterpret_cast<uint2*>(row_out + col) = v;
+    });
+  }
+}
+
 // hidden[row, c] = silu(x[tok] . gate[e, c]) * (x[tok] . up[e, c]) for every sorted row of
 // expert e, tok = sorted_pairs[row] / top_k; silu(g) = g / (1 + exp(-g)).
 // hidden [P, I] contiguous, x [T, H] (row stride ld_x), gate_up [E, 2I, H] contiguous.
@@ -176,25 +194,16 @@ struct GateUpProblem {
   // so SiLU-and-mul pairs elements i and i + kM64N256Outputs / 2 of one thread.
   __device__ void store(const Tile& tile, int consumer, const float (&acc)[kM64N256Outputs]) const {
     const int col0 = tile.n_block * kHalfN;
+    store_tile_rows<kHalfN / 8>(tile, consumer, hidden + col0, inter_size, inter_size - col0, [&](int half, int group) {
+      const int i = 4 * group + 2 * half;
+      float value[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = tile.row0 + consumer * kConsumerRows + accumulator_row(2 * half);
-      T* out = hidden + static_cast<long long>(row) * inter_size + col0;
-      const auto word = [&](int group) {
-        const int i = 4 * group + 2 * half;
-        float value[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float gate = acc[i + j], up = acc[i + j + kM64N256Outputs / 2];
-          value[j] = gate / (1.f + expf(-gate)) * up;
-        }
-        return pack_pair<T>(value[0], value[1]);
-      };
-      // I is a multiple of 8, so a column below it has its next three below it too.
-      store_row_words<kHalfN / 8>(word, [&](int col, uint2 v) {
-        if (row < tile.row_end && col0 + col < inter_size) *reinterpret_cast<uint2*>(out + col) = v;
-      });
-    }
+      for (int j = 0; j < 2; ++j) {
+        const float gate = acc[i + j], up = acc[i + j + kM64N256Outputs / 2];
+        value[j] = gate / (1.f + expf(-gate)) * up;
+      }
+      return pack_pair<T>(value[0], value[1]);
+    });
   }
 };
 
@@ -227,19 +236,11 @@ struct DownProblem {
 
   __device__ void store(const Tile& tile, int consumer, const float (&acc)[kM64N256Outputs]) const {
     const int h0 = tile.n_block * kTileN;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = tile.row0 + consumer * kConsumerRows + accumulator_row(2 * half);
-      T* out = expert_out + static_cast<long long>(row) * hidden_size + h0;
-      const auto word = [&](int group) {
-        const int i = 4 * group + 2 * half;
-        return pack_pair<T>(acc[i], acc[i + 1]);
-      };
-      // H is a multiple of 8, so a column below it has its next three below it too.
-      store_row_words<kTileN / 8>(word, [&](int col, uint2 v) {
-        if (row < tile.row_end && h0 + col < hidden_size) *reinterpret_cast<uint2*>(out + col) = v;
-      });
-    }
+    store_tile_rows<kTileN / 8>(tile, consumer, expert_out + h0, hidden_size, hidden_size - h0,
+                                [&](int half, int group) {
+                                  const int i = 4 * group + 2 * half;
+                                  return pack_pair<T>(acc[i], acc[i + 1]);
+                                });
   }
 };
 
