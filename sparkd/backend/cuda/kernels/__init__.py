@@ -66,6 +66,11 @@ def require_contiguous(name: str, tensor: DeviceTensor) -> None:
     require(tensor.is_contiguous, f"{name} must be contiguous, got strides {tensor.strides} for {tensor.shape}")
 
 
+def row_stride(t: DeviceTensor) -> int:
+    """Elements between the rows of a 2-D operand a kernel walks; a single row has none to honour."""
+    return t.row_stride if t.shape[0] > 1 else t.shape[1]
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

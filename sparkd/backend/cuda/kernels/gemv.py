@@ -16,7 +16,7 @@ from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
 from ..tensor import DeviceTensor
-from . import ACCESS_BYTES, ELEMENT_TYPES, i32, require
+from . import ACCESS_BYTES, ELEMENT_TYPES, i32, require, row_stride
 
 _SOURCE = "gemv.cu"
 M_TILES = (1, 2, 4, 8, 16)  # the kM instantiations
@@ -72,11 +72,6 @@ def check_linear_operands(out: DeviceTensor, x: DeviceTensor, weight: DeviceTens
     return m, n, k
 
 
-def x_row_stride(x: DeviceTensor) -> int:
-    """Elements between x's rows; a single row has none to honour."""
-    return x.row_stride if x.shape[0] > 1 else x.shape[1]
-
-
 def unsupported_reason(x: DeviceTensor, weight: DeviceTensor) -> str | None:
     """Why gemv cannot run x [M, K] @ weight [N, K]^T (operands that passed
     `check_linear_operands`), or None when it can."""
@@ -84,8 +79,8 @@ def unsupported_reason(x: DeviceTensor, weight: DeviceTensor) -> str | None:
     chunk = ACCESS_BYTES // x.dtype.itemsize
     if not 1 <= m <= MAX_M:
         return f"gemv runs 1 to {MAX_M} rows of x, got M = {m}"
-    if k % chunk or x_row_stride(x) % chunk:
-        return (f"gemv reads 16-byte chunks: K ({k}) and x's row stride ({x_row_stride(x)}) must be multiples "
+    if k % chunk or row_stride(x) % chunk:
+        return (f"gemv reads 16-byte chunks: K ({k}) and x's row stride ({row_stride(x)}) must be multiples "
                 f"of {chunk} for {x.dtype.name}")
     if x.ptr % ACCESS_BYTES or weight.ptr % ACCESS_BYTES:
         return f"gemv needs x and weight 16-byte aligned, got x at 0x{x.ptr:x}, weight at 0x{weight.ptr:x}"
@@ -103,7 +98,7 @@ def gemv(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, bias: DeviceT
     reason = unsupported_reason(x, weight)
     require(reason is None, reason)
     args = [out, x, weight, bias if bias is not None else np.uint64(0), i32(m), i32(n), i32(k),
-            np.int64(x_row_stride(x)), np.int64(out.row_stride)]
+            np.int64(row_stride(x)), np.int64(out.row_stride)]
     get_kernel(_spec(x.dtype, out.dtype, m_tile(m))).launch(-(-n // _ROWS_PER_BLOCK), _threads(x), args,
                                                             stream=stream)
 
@@ -124,7 +119,7 @@ def gemv_silu_and_mul(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, 
     require(reason is None, reason)
     inter = n // 2
     args = [out, x, weight, bias if bias is not None else np.uint64(0), i32(m), i32(inter), i32(k),
-            np.int64(x_row_stride(x))]
+            np.int64(row_stride(x))]
     blocks = -(-inter // (_ROWS_PER_BLOCK // 2))  # a gate and an up row per output column
     get_kernel(_silu_spec(x.dtype, m_tile(m))).launch(blocks, _threads(x), args, stream=stream)
 

@@ -33,6 +33,7 @@ from . import (
     require,
     require_contiguous,
     require_dtype,
+    row_stride,
 )
 
 _SOURCE = "moe_gemm.cu"
@@ -197,11 +198,6 @@ def check_down_operands(expert_out: DeviceTensor, hidden: DeviceTensor, down: De
     _require_chunks(hidden.dtype, {"H": hidden_size, "I": inter_size})
     _require_aligned(hidden=hidden, down=down, expert_out=expert_out)
     return ExpertShapes(num_pairs, num_experts, hidden_size, inter_size)
-
-
-def row_stride(x: DeviceTensor) -> int:
-    """Elements between x's rows; a single row has none to honour."""
-    return x.row_stride if x.shape[0] > 1 else x.shape[1]
 
 
 def _chunks(k: int, dtype: DType) -> int:

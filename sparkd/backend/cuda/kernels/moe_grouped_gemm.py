@@ -24,8 +24,8 @@ from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream, current_device
 from ..tensor import DeviceTensor
-from . import i32, require, require_contiguous
-from .moe_gemm import check_down_operands, check_gate_up_operands, row_stride
+from . import i32, require, require_contiguous, row_stride
+from .moe_gemm import check_down_operands, check_gate_up_operands
 from .moe_routing import MAX_EXPERTS
 
 _SOURCE = "moe_grouped_gemm.cu"

@@ -25,8 +25,8 @@ from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream, call, current_device
 from ..launch import Kernel
 from ..tensor import DeviceTensor
-from . import i32, require
-from .moe_gemm import check_down_operands, check_gate_up_operands, row_stride
+from . import i32, require, row_stride
+from .moe_gemm import check_down_operands, check_gate_up_operands
 from .moe_grouped_gemm import DTYPES, TILE_M, require_plan, max_m_tiles
 
 _SOURCE = "moe_grouped_wgmma.cu"

@@ -16,6 +16,7 @@ from . import (
     require_contiguous,
     require_dtype,
     round_up,
+    row_stride,
     vector_width,
     vector_widths,
 )
@@ -83,10 +84,10 @@ def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceT
     require(out.ptr not in (residual.ptr, residual_out.ptr), "out must not be a residual buffer")
     require(x.dtype is out.dtype, f"x must be in out's dtype ({out.dtype.name}), got {x}")
     rows, dim = x.shape
-    ld_out = _row_stride(out)
+    ld_out = row_stride(out)
     if out_lo is not None:
         require(out.dtype is not DType.float32, "out_lo is for bf16 / fp16 outputs: an fp32 out loses nothing")
-        require(out_lo.shape == x.shape and out_lo.dtype is out.dtype and _row_stride(out_lo) == ld_out
+        require(out_lo.shape == x.shape and out_lo.dtype is out.dtype and row_stride(out_lo) == ld_out
                 and out_lo.rows_contiguous and not _overlap_rows(out, out_lo, dim, ld_out),
                 f"out_lo must be {x.shape} {out.dtype.name} at out's row stride {ld_out}, apart from out, got {out_lo}")
     _check_operands(out, x, weight, x.shape, row_stride=ld_out)
@@ -97,11 +98,6 @@ def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceT
             i32(rows), i32(dim), np.float32(eps)]
     name = _name("add_rmsnorm_kernel", x.dtype, residual.dtype, width)
     _launch(KernelSpec(_SOURCE, name), width, rows, dim, args, stream)
-
-
-def _row_stride(t: DeviceTensor) -> int:
-    """Elements between rows of a 2-D tensor (its width when it has one row)."""
-    return t.row_stride if t.shape[0] > 1 else t.shape[1]
 
 
 def _overlap_rows(a: DeviceTensor, b: DeviceTensor, dim: int, row_stride: int) -> bool:
