@@ -1,6 +1,6 @@
-// MoE routing by one warp per token (moe_routing.cu's kernels): the top-k experts of a
-// token's router logits, their softmax weights, optionally renormalised. The twin of
-// moe_route in sparkd/backend/cpu/moe.py.
+// MoE routing by one warp per token (moe_routing.cu's and moe_router.cu's kernels): the
+// top-k experts of a token's router logits, their softmax weights, optionally renormalised.
+// The twin of moe_route in sparkd/backend/cpu/moe.py.
 #pragma once
 
 #include "common.cuh"
@@ -28,15 +28,33 @@ __device__ __forceinline__ void lane_best(const unsigned (&keys)[kSlots], unsign
   }
 }
 
-// One token's routing by one warp, from its logits [E]: lane j < k gets the j-th
-// choice (its expert and weight). The softmax over E in fp32, its k largest
-// probabilities in descending order, ties to the lower expert id; divided by their
+// router_logits [T, E] (row stride ld) as the routing reads them: logit(token, expert) in fp32.
+// kFromL2: the logits were stored by other blocks of the same launch (moe_router.cu), so they
+// are read from L2 (__ldcg), where those blocks' stores are, past this SM's L1.
+template <typename T, bool kFromL2 = false>
+struct RouterLogits {
+  const T* logits;
+  long long ld;
+
+  __device__ __forceinline__ float operator()(int token, int expert) const {
+    const T* p = logits + token * ld + expert;
+    if constexpr (kFromL2) {
+      return to_float(__ldcg(p));
+    } else {
+      return to_float(*p);
+    }
+  }
+};
+
+// One token's routing by one warp, from its logits [E] (logits(token, e), a RouterLogits):
+// lane j < k gets the j-th choice (its expert and weight). The softmax over E in fp32, its
+// k largest probabilities in descending order, ties to the lower expert id; divided by their
 // sum when renormalize. Selection compares the logits (softmax is monotonic), as
 // order-preserving uint keys so that one redux.sync finds the warp's maximum; equal
 // logits are exactly the equal probabilities of the numpy twin.
-template <typename T>
-__device__ __forceinline__ void route_token(const T* logits, int num_experts, int top_k, bool renormalize,
-                                            int& chosen_expert, float& weight) {
+template <typename Logits>
+__device__ __forceinline__ void route_token(const Logits& logits, int token, int num_experts, int top_k,
+                                            bool renormalize, int& chosen_expert, float& weight) {
   const int lane = threadIdx.x & 31;
   unsigned keys[kSlots];  // lane's experts lane + 32 * i, in registers (the loops unroll)
   unsigned taken = 0;     // bit i: expert lane + 32 * i is chosen, or does not exist
@@ -44,7 +62,7 @@ __device__ __forceinline__ void route_token(const T* logits, int num_experts, in
   for (int i = 0; i < kSlots; ++i) {
     if (32 * i >= num_experts) break;
     const int expert = lane + 32 * i;
-    keys[i] = expert < num_experts ? ordered_key(to_float(logits[expert])) : 0u;
+    keys[i] = expert < num_experts ? ordered_key(logits(token, expert)) : 0u;
     if (expert >= num_experts) taken |= 1u << i;
   }
 

@@ -16,12 +16,15 @@
 //   active_experts [min(E, P)]  the experts with pairs, ascending; num_active [1] of them.
 // A pair whose id is outside [0, E) (moe_route never writes one) gets row -1 and no
 // row: the combine skips it, and offsets[E] counts only the others.
-// Four ways to run it: one block (moe_align_kernel), a count and a scatter kernel
-// over many blocks for large P, fused behind the routing (moe_route_align_kernel), or
-// with the routing by one warp for a decode step's few pairs (moe_route_align_warp_kernel).
-// The routing's and the alignment's device functions live in moe_route.cuh and moe_align.cuh.
+// Five ways to run it: one block (moe_align_kernel), a count and a scatter kernel
+// over many blocks for large P, fused behind the routing (moe_route_align_kernel),
+// with the routing by one warp for a decode step's few pairs (moe_route_align_warp_kernel),
+// or that warp's work behind the router GEMV in the same launch
+// (moe_router_route_align_kernel, moe_router.cu).
+// The routing's and the alignment's device functions live in moe_route.cuh and moe_align.cuh,
+// the one warp's in moe_route_align_warp.cuh.
 #include "moe_align.cuh"
-#include "moe_route.cuh"
+#include "moe_route_align_warp.cuh"
 
 using namespace sparkd;
 
@@ -45,7 +48,7 @@ __global__ void __launch_bounds__(32 * kRouteWarps)
   if (token >= num_tokens) return;  // the whole warp: no block-wide sync follows
   int expert;
   float weight;
-  route_token(router_logits + token * ld_logits, num_experts, top_k, renormalize, expert, weight);
+  route_token(RouterLogits<T>{router_logits, ld_logits}, token, num_experts, top_k, renormalize, expert, weight);
   if (lane < top_k) {
     weights[token * top_k + lane] = weight;
     expert_ids[token * top_k + lane] = expert;
@@ -137,7 +140,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   for (int token = threadIdx.x / 32; token < num_tokens; token += kFusedThreads / 32) {
     int expert;
     float weight;
-    route_token(router_logits + token * ld_logits, num_experts, top_k, renormalize, expert, weight);
+    route_token(RouterLogits<T>{router_logits, ld_logits}, token, num_experts, top_k, renormalize, expert, weight);
     if (lane < top_k) {
       weights[token * top_k + lane] = weight;
       expert_ids[token * top_k + lane] = expert;
@@ -151,10 +154,8 @@ __global__ void __launch_bounds__(kFusedThreads)
 
 // ---- routing and alignment by one warp ----
 
-// moe_route_align_kernel's outputs for a decode step's few pairs (T * k <= 32) by one warp,
-// with no block barrier: lane p holds pair p. Its rank among its expert's pairs is the
-// number of lower lanes that share the expert (the stable order), its expert's offset the
-// number of pairs of lower experts; each expert's lowest lane places it among the active ones.
+// moe_route_align_kernel's outputs for a decode step's few pairs (T * k <= 32) by one warp:
+// route_align_warp.
 // Launch: one block of 32 threads; limits as moe_route_kernel, and T * k <= 32.
 template <typename T>
 __global__ void __launch_bounds__(32)
@@ -163,55 +164,8 @@ __global__ void __launch_bounds__(32)
                                 int* __restrict__ row_of_pair, int* __restrict__ active_experts,
                                 int* __restrict__ num_active, const T* __restrict__ router_logits, int num_tokens,
                                 int num_experts, int top_k, long long ld_logits, int renormalize) {
-  const int lane = threadIdx.x;
-  const int num_pairs = num_tokens * top_k;
-  int my_expert = kMaxExperts;  // lanes past the pairs sort after every expert
-  for (int token = 0; token < num_tokens; ++token) {
-    int expert;
-    float weight;
-    route_token(router_logits + token * ld_logits, num_experts, top_k, renormalize, expert, weight);
-    // Lane j of the routing warp holds choice j; it belongs to pair (lane) token * k + j.
-    const int choice = lane - token * top_k;
-    const bool mine = choice >= 0 && choice < top_k;
-    expert = __shfl_sync(kFullMask, expert, mine ? choice : 0);
-    weight = __shfl_sync(kFullMask, weight, mine ? choice : 0);
-    if (mine) {
-      my_expert = expert;
-      weights[lane] = weight;
-      expert_ids[lane] = expert;
-    }
-  }
-
-  const unsigned peers = __match_any_sync(kFullMask, my_expert);
-  const bool leader = lane < num_pairs && __ffs(peers) - 1 == lane;  // the expert's first pair
-  const unsigned leaders = __ballot_sync(kFullMask, leader);
-  int lower_pairs = 0, lower_experts = 0;  // of lower experts than this lane's
-  int counts[kSlots] = {};                 // offsets[lane + 32 * i]: the pairs of lower experts
-  for (int q = 0; q < num_pairs; ++q) {
-    const int other = __shfl_sync(kFullMask, my_expert, q);
-    lower_pairs += other < my_expert;
-    lower_experts += ((leaders >> q) & 1u) && other < my_expert;
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      if (32 * i >= num_experts) break;
-      counts[i] += other < lane + 32 * i;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    if (32 * i >= num_experts) break;
-    if (lane + 32 * i < num_experts) offsets[lane + 32 * i] = counts[i];
-  }
-  if (lane < num_pairs) {
-    const int row = lower_pairs + __popc(peers & ((1u << lane) - 1u));
-    row_of_pair[lane] = row;
-    sorted_pairs[row] = lane;
-  }
-  if (leader) active_experts[lower_experts] = my_expert;
-  if (lane == 0) {
-    offsets[num_experts] = num_pairs;
-    *num_active = __popc(leaders);
-  }
+  route_align_warp(weights, expert_ids, offsets, sorted_pairs, row_of_pair, active_experts, num_active,
+                   RouterLogits<T>{router_logits, ld_logits}, num_tokens, num_experts, top_k, renormalize);
 }
 
 // ---- combine ----

@@ -1,17 +1,19 @@
-"""Host side of the MoE routing launchers (sparkd/backend/cuda/kernels/moe_routing.py), no GPU:
-the preconditions each launcher checks before it launches, and the layout of the
-alignment buffers. Tensors here point nowhere; a check that let one through would
-reach the driver and fail there instead of raising ValueError."""
+"""Host side of the MoE routing launchers (sparkd/backend/cuda/kernels/moe_routing.py and
+moe_router.py), no GPU: the preconditions each launcher checks before it launches, the grids
+and arguments it launches with, and the layout of the alignment buffers. Tensors here point
+nowhere; a check that let one through would reach the driver and fail there instead of
+raising ValueError."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
 from device_fakes import fake_tensor
 
-from sparkd.backend.cuda.kernels import moe_routing
+from sparkd.backend.cuda.kernels import moe_router, moe_routing
 from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
 from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
@@ -62,11 +64,16 @@ def test_route_rejects_bad_operands(logits, weights, expert_ids, message):
 
 
 class _RecordedLaunch:
-    def __init__(self, spec, launches):
-        self.spec, self.launches = spec, launches
+    """Stands in for a loaded kernel: each launch appends (name, grid, block) to `launches`,
+    and its args to `arg_lists` when given."""
+
+    def __init__(self, spec, launches, arg_lists=None):
+        self.spec, self.launches, self.arg_lists = spec, launches, arg_lists
 
     def launch(self, grid, block, args, stream=None):
         self.launches.append((self.spec.name, grid, block))
+        if self.arg_lists is not None:
+            self.arg_lists.append(args)
 
 
 @pytest.mark.parametrize("num_tokens,top_k,expected", [
@@ -160,3 +167,102 @@ def test_combine_moves_16_bytes_of_its_dtype_where_rows_and_addresses_allow(monk
     combine(out=fake((3, hidden), dtype, ptr=out_ptr), expert_out=fake((6, hidden), dtype, ptr=rows_ptr))
     assert launches == [expected]
     assert expected[0] in {spec.name for spec in moe_routing.SPECS}
+
+
+# ---- the router GEMV with the routing and alignment in one launch (moe_router) ----
+
+def router_operands(num_tokens=1, top_k=8, num_experts=128, width=4096, dtype="bfloat16") -> dict:
+    """moe_router_route_align's operands for T tokens, k choices, E experts and K = width, by name."""
+    return {"weights": fake((num_tokens, top_k)), "expert_ids": fake((num_tokens, top_k), "int32"),
+            "alignment": MoeAlignment.allocate(FakeAllocator(), num_tokens * top_k, num_experts),
+            "router_logits": fake((num_tokens, num_experts)), "router_input": fake((num_tokens, width), dtype),
+            "router": fake((num_experts, width), dtype, ptr=0x400000)}
+
+
+def route_router(operands: dict) -> None:
+    moe_router.moe_router_route_align(**operands, renormalize=True, stream=None)
+
+
+@pytest.mark.parametrize("num_experts,num_chunks,expected", [
+    (128, 512, (128, 256, 8)),  # Qwen3-30B-A3B: K = 2 x 2048 bf16, a block of 8 warps an expert, ~one an SM
+    (256, 512, (256, 256, 8)),
+    (60, 512, (60, 256, 8)),
+    (128, 1024, (128, 512, 16)),  # K 8192 bf16: 16 warps still load 2 chunks a thread
+    (8, 1536, (8, 512, 16)),  # past 16 warps: 3 chunks a thread, two passes
+    (64, 513, (64, 288, 9)),  # K 4104 bf16: 9 warps, one pass
+    (128, 256, (64, 256, 4)),  # two experts of 4 warps a block
+    (128, 8, (16, 256, 1)),  # K 64 bf16: 8 experts a block, a warp each
+    (60, 16, (8, 256, 1)),  # the last block's 4 slots past E load row E - 1 and store nothing
+    (8, 1, (1, 256, 1)),  # K 8 bf16: one block holds every expert
+])
+def test_router_grid_keeps_every_load_of_a_thread_in_one_pass(num_experts, num_chunks, expected):
+    blocks, threads, warps_per_expert = moe_router.router_grid(num_experts, num_chunks)
+    assert (blocks, threads, warps_per_expert) == expected
+    experts_per_block = threads // (32 * warps_per_expert)
+    assert (blocks - 1) * experts_per_block < num_experts <= blocks * experts_per_block
+    assert threads <= 512 and (num_chunks <= 32 * warps_per_expert * 2 or warps_per_expert == 16)
+
+
+@pytest.mark.parametrize("dtype,num_tokens,top_k,width,c_type,expected_stride", [
+    ("bfloat16", 1, 8, 4096, "__nv_bfloat16", 4096),  # one row: its stride does not matter
+    ("bfloat16", 4, 8, 4096, "__nv_bfloat16", 8192),  # [y | y_lo]'s y: a column slice of a [T, 2K] row
+    ("float16", 16, 2, 2048, "__half", 4096),
+    ("float32", 32, 1, 2048, "float", 4096),
+])
+def test_router_launches_one_kernel_with_the_gemv_grid(monkeypatch, dtype, num_tokens, top_k, width, c_type,
+                                                       expected_stride):
+    launches, arg_lists = [], []
+    monkeypatch.setattr(moe_router, "get_kernel", lambda spec: _RecordedLaunch(spec, launches, arg_lists))
+    operands = router_operands(num_tokens, top_k, 128, width, dtype)
+    operands["router_input"] = fake((num_tokens, width), dtype, strides=(2 * width, 1))
+    route_router(operands)
+    blocks, threads, warps_per_expert = moe_router.router_grid(128, width * DType.parse(dtype).itemsize // 16)
+    assert launches == [(f"moe_router_route_align_kernel<{c_type}>", blocks, threads)]
+    assert launches[0][0] in {spec.name for spec in moe_router.SPECS}
+    [args] = arg_lists
+    alignment = operands["alignment"]
+    assert args[:10] == [operands["weights"], operands["expert_ids"], *alignment.outputs(), operands["router_logits"],
+                         operands["router_input"], operands["router"]]
+    assert args[10:] == [num_tokens, 128, top_k, width, expected_stride, warps_per_expert, 1]
+    assert [type(a) for a in args[10:]] == [np.int32] * 4 + [np.int64] + [np.int32] * 2
+
+
+def test_router_takes_operands_its_loads_can_read():
+    assert moe_router.unsupported_reason(fake((2, 4096), "bfloat16"), fake((128, 4096), "bfloat16")) is None
+    assert "16-byte chunks" in moe_router.unsupported_reason(fake((2, 34)), fake((8, 34)))
+    assert "16-byte aligned" in moe_router.unsupported_reason(fake((2, 64)), fake((8, 64), ptr=0x10004))
+
+
+def _with(**changes) -> dict:
+    """router_operands() with some operands replaced."""
+    return {**router_operands(), **changes}
+
+
+@pytest.mark.parametrize("operands,message", [
+    (_with(router_input=fake((1, 4096, 1), "bfloat16")), r"router_input must be \[T, K\] and router \[E, K\]"),
+    (_with(router_input=fake((1, 4096), "int32")), "router_input must be float32 or float16 or bfloat16, got int32"),
+    (_with(router=fake((128, 4096), "float32")), "router must be bfloat16, got float32"),
+    (_with(router=fake((128, 2048), "bfloat16")), r"router must be \[E, K=4096\]"),
+    (_with(router_input=fake((1, 4096), "bfloat16", strides=(8192, 2))), "router_input needs unit column stride"),
+    (_with(router=fake((128, 4096), "bfloat16", strides=(8192, 1))), "router must be contiguous"),
+    (_with(router_logits=fake((1, 64))), r"router_logits must be \[T=1, E=128\]"),
+    (_with(router_logits=fake((1, 128), "bfloat16")), "router_logits must be float32, got bfloat16"),
+    ({**router_operands(num_tokens=2, top_k=2), "router_logits": fake((2, 128), strides=(256, 1))},
+     "router_logits must be contiguous"),
+    (_with(weights=fake((1, 8), "float16")), "weights must be float32, got float16"),
+    (_with(expert_ids=fake((1, 4), "int32")), r"expert_ids must be \[T, top_k\]"),
+    (_with(alignment=MoeAlignment.allocate(FakeAllocator(), 8, 64)), "the alignment is sized for 8 pairs of 64"),
+    (_with(router=fake((1025, 4096), "bfloat16"), router_logits=fake((1, 1025))), "1 to 1024 experts, got E = 1025"),
+    (router_operands(num_tokens=5, top_k=8), r"at most 32 \(token, expert\) pairs, got T=5 \* top_k=8 = 40"),
+    (router_operands(num_tokens=33, top_k=1), r"got T=33 \* top_k=1 = 33"),
+    (router_operands(width=4100), r"K \(4100\) and router_input's row stride \(4100\) must be multiples of 8"),
+    (router_operands(width=4098, dtype="float32"), "must be multiples of 4 for float32"),
+    ({**router_operands(num_tokens=2, top_k=2), "router_input": fake((2, 4096), "bfloat16", strides=(4100, 1))},
+     r"row stride \(4100\)"),
+    (_with(router_input=fake((1, 4096), "bfloat16", ptr=0x10008)), "16-byte aligned, got router_input at 0x10008"),
+    (_with(router=fake((128, 4096), "bfloat16", ptr=0x400004)), "router at 0x400004"),
+])
+def test_router_rejects_bad_operands(monkeypatch, operands, message):
+    monkeypatch.setattr(moe_router, "get_kernel", lambda spec: pytest.fail(f"{spec} was loaded"))
+    with pytest.raises(ValueError, match=message):
+        route_router(operands)

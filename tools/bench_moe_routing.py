@@ -1,8 +1,9 @@
 """The MoE kernels around the expert GEMMs at Qwen3-30B-A3B shapes (E = 128 experts,
 top-8, hidden 2048): routing, alignment, both in one call, and the weighted combine;
+then the decode router (router GEMM, routing and alignment) in two launches against one;
 time per call and bandwidth as a fraction of the device-to-device copy rate.
 
-  python tools/bench_moe_routing.py [--tokens 1 64 4096] [--iters 50]
+  python tools/bench_moe_routing.py [--tokens 1 64 4096] [--router-tokens 1 2 4] [--iters 50]
 
 Routing, alignment and moe_route_align are latency-bound: their bytes (logits read,
 ids and alignment written) are tiny, and the time is what a graph-replayed step pays,
@@ -12,11 +13,18 @@ k bf16 expert rows of every token and writes one bf16 row: at 4096 tokens that i
 the copy rate's territory. The logits are random normal, so the routing spreads the
 pairs over the experts as real traffic does; the timed launches are replayed from
 one CUDA graph, so Python launch overhead is not counted.
+
+The decode router reads router_input [T, 2H] = [y | y_lo] against the router [E, 2H] = [W | W]
+in bf16 (K = 4096, 1 MB of weights), as CudaOps.sparse_moe does: "router GEMM + route_align"
+is the GEMM (gemm.Gemm: the measured table's pick, gemv or cuBLASLt) into fp32 logits, then
+moe_route_align; "router_route_align" is moe_router's one launch. Successive calls read
+different copies of the router, 64 MB in all, so its weights come from DRAM as in a decode step.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -26,10 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import DeviceBench, copy_bandwidth, timed_graph
 
-from sparkd.backend.cuda.kernels import moe_routing
+from sparkd.backend.cuda.gemm import Gemm
+from sparkd.backend.cuda.kernels import moe_router, moe_routing
+from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 HIDDEN, EXPERTS, TOP_K = 2048, 128, 8
+ROUTER_COPIES = 64  # 1 MB each: more than the H200's 50 MB of L2
 
 
 class Bench(DeviceBench):
@@ -82,9 +93,38 @@ def bench_tokens(b: Bench, tokens: int) -> None:
              (pairs + tokens) * HIDDEN * b.dtype.itemsize)
 
 
+def bench_router(b: Bench, gemm: Gemm, routers: list[DeviceTensor], tokens: int) -> None:
+    """Each call reads the next of `routers` (more MB than L2 holds), so that the router's weights come
+    from DRAM, as in a decode step, where every other layer's weights pass through L2 in between."""
+    width = routers[0].shape[1]
+    router_input = b.upload(b.rng.standard_normal((tokens, width)).astype(np.float32), DType.bfloat16)
+    next_router = itertools.cycle(routers).__next__
+    router_logits = b.allocator.empty((tokens, EXPERTS), DType.float32)
+    weights = b.allocator.empty((tokens, TOP_K), DType.float32)
+    expert_ids = b.allocator.empty((tokens, TOP_K), DType.int32)
+    alignment = moe_routing.MoeAlignment.allocate(b.allocator, tokens * TOP_K, EXPERTS)
+    pairs = tokens * TOP_K
+    nbytes = ((EXPERTS + tokens) * width * 2 + tokens * EXPERTS * 4  # router and rows in, logits out
+              + pairs * 8 + 4 * (EXPERTS + 1 + 2 * pairs + min(EXPERTS, pairs) + 1))  # the routing and alignment out
+    shape = f"{tokens}x{width} @ {EXPERTS}x{width} bf16, k={TOP_K}"
+
+    def two_launches() -> None:
+        gemm(router_logits, router_input, next_router())
+        moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, True, b.stream)
+
+    def one_launch() -> None:
+        moe_router.moe_router_route_align(weights, expert_ids, alignment, router_logits, router_input, next_router(),
+                                          True, b.stream)
+
+    b.report("router GEMM + route_align", shape, two_launches, nbytes)
+    b.report("router_route_align", shape, one_launch, nbytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
+    parser.add_argument("--router-tokens", type=int, nargs="+", default=[1, 2, 4],
+                        help="decode batches of the router rows (T * 8 <= 32)")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
 
@@ -96,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         bench_tokens(bench, tokens)
         bench.stream.synchronize()
         bench.allocator.release_cached()
+    gemm = Gemm(bench.allocator, bench.stream)
+    width = 2 * HIDDEN  # [y | y_lo] against [W | W]
+    router = (bench.rng.standard_normal((EXPERTS, width)) / np.sqrt(width)).astype(np.float32)
+    routers = [bench.upload(router, DType.bfloat16) for _ in range(ROUTER_COPIES)]
+    for tokens in args.router_tokens:
+        bench_router(bench, gemm, routers, tokens)
     return 0
 
 

@@ -1,8 +1,9 @@
 """Routing cases and the float64 reference shared by the expert GEMM tests
 (test_moe_gemm.py, test_moe_grouped_gemm.py, test_moe_grouped_wgmma.py): host copies of what
 the alignment kernel makes, so those tests do not depend on it; `as_stored`, the rounding
-of a result to the device's dtype; and the combine on the device and its numpy loop
-(test_moe_combine.py, test_moe_routing.py)."""
+of a result to the device's dtype; the combine on the device and its numpy loop
+(test_moe_combine.py, test_moe_routing.py); and the alignment on the device, poisoned before
+a launch, downloaded and checked against group_by_expert (test_moe_routing.py, test_moe_router.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import numpy as np
 
 from sparkd.backend.cpu.moe import group_by_expert, silu_and_mul
 from sparkd.backend.cuda.kernels import moe_routing
-from sparkd.backend.cuda.transfer import decode, encode
+from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
+from sparkd.backend.cuda.transfer import copy_to_device, decode, encode
 from sparkd.backend.dtypes import DType
 
 
@@ -211,3 +213,47 @@ def reference_combine(expert_out, weights, row_of_pair) -> np.ndarray:
     for j in range(top_k):
         out = out + weights[:, j, None] * rows[:, j]
     return out
+
+
+# ---- the alignment on the device ----
+
+POISON = -7  # what the alignment buffers hold before a launch: the kernel must overwrite all it promises
+ALIGNMENT_VIEWS = ("offsets", "sorted_pairs", "row_of_pair", "active_experts", "num_active")
+
+
+def poisoned_alignment(gpu, num_pairs: int, num_experts: int) -> MoeAlignment:
+    alignment = MoeAlignment.allocate(gpu.allocator, num_pairs, num_experts)
+    poison_alignment(gpu, alignment)
+    return alignment
+
+
+def poison_alignment(gpu, alignment: MoeAlignment) -> None:
+    """POISON in every view, the kernels' scratch included."""
+    for name in (*ALIGNMENT_VIEWS, "block_counts"):
+        view = getattr(alignment, name)
+        copy_to_device(view, np.full(view.shape, POISON, np.int32), gpu.stream)
+    gpu.stream.synchronize()  # the host arrays are pageable temporaries
+
+
+def download_alignment(gpu, alignment: MoeAlignment) -> dict[str, np.ndarray]:
+    return {name: gpu.download(getattr(alignment, name)) for name in ALIGNMENT_VIEWS}
+
+
+def check_alignment(result: dict[str, np.ndarray], expert_ids: np.ndarray, num_experts: int) -> None:
+    """group_by_expert's stable sort exactly, its inverse, and the active experts in order."""
+    expected_pairs, expected_offsets = group_by_expert(expert_ids, num_experts)
+    np.testing.assert_array_equal(result["offsets"], expected_offsets)
+    np.testing.assert_array_equal(result["sorted_pairs"], expected_pairs)
+    np.testing.assert_array_equal(result["row_of_pair"][expected_pairs], np.arange(expert_ids.size))
+    active = np.flatnonzero(np.diff(expected_offsets))
+    assert result["num_active"].tolist() == [active.size]
+    np.testing.assert_array_equal(result["active_experts"][:active.size], active)
+
+
+def route_align_on_device(gpu, logits_dev, top_k: int, renormalize: bool):
+    """(weights, expert_ids, alignment arrays) from one moe_route_align call."""
+    num_tokens, num_experts = logits_dev.shape
+    weights, expert_ids = gpu.empty((num_tokens, top_k), DType.float32), gpu.empty((num_tokens, top_k), DType.int32)
+    alignment = poisoned_alignment(gpu, num_tokens * top_k, num_experts)
+    moe_routing.moe_route_align(weights, expert_ids, alignment, logits_dev, renormalize, gpu.stream)
+    return gpu.download(weights), gpu.download(expert_ids), download_alignment(gpu, alignment)

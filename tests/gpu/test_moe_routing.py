@@ -21,15 +21,20 @@ import pytest
 
 from sparkd.backend.cpu.moe import group_by_expert, moe_route
 from sparkd.backend.cuda.kernels import moe_routing
-from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
 from sparkd.backend.cuda.transfer import copy_to_device, decode, encode
 from sparkd.backend.dtypes import DType
 
-from .moe_cases import combine_on_device, reference_combine
+from .moe_cases import (
+    check_alignment,
+    combine_on_device,
+    download_alignment,
+    poisoned_alignment,
+    reference_combine,
+    route_align_on_device,
+)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 WEIGHT_ATOL = 1e-6
-POISON = -7  # what the alignment buffers hold before a launch: the kernel must overwrite all it promises
 
 
 def separated_logits(rng, num_tokens: int, num_experts: int) -> np.ndarray:
@@ -117,37 +122,10 @@ def test_route_reads_spaced_rows(gpu):
 
 # ---- alignment ----
 
-ALIGNMENT_VIEWS = ("offsets", "sorted_pairs", "row_of_pair", "active_experts", "num_active")
-
-
-def poisoned_alignment(gpu, num_pairs: int, num_experts: int) -> MoeAlignment:
-    alignment = MoeAlignment.allocate(gpu.allocator, num_pairs, num_experts)
-    for name in (*ALIGNMENT_VIEWS, "block_counts"):
-        view = getattr(alignment, name)
-        copy_to_device(view, np.full(view.shape, POISON, np.int32), gpu.stream)
-    gpu.stream.synchronize()  # the host arrays are pageable temporaries
-    return alignment
-
-
-def download_alignment(gpu, alignment: MoeAlignment) -> dict[str, np.ndarray]:
-    return {name: gpu.download(getattr(alignment, name)) for name in ALIGNMENT_VIEWS}
-
-
 def align_on_device(gpu, expert_ids: np.ndarray, num_experts: int) -> dict[str, np.ndarray]:
     alignment = poisoned_alignment(gpu, expert_ids.size, num_experts)
     moe_routing.moe_align(alignment, gpu.upload(expert_ids.astype(np.int32)), gpu.stream)
     return download_alignment(gpu, alignment)
-
-
-def check_alignment(result: dict[str, np.ndarray], expert_ids: np.ndarray, num_experts: int) -> None:
-    """group_by_expert's stable sort exactly, its inverse, and the active experts in order."""
-    expected_pairs, expected_offsets = group_by_expert(expert_ids, num_experts)
-    np.testing.assert_array_equal(result["offsets"], expected_offsets)
-    np.testing.assert_array_equal(result["sorted_pairs"], expected_pairs)
-    np.testing.assert_array_equal(result["row_of_pair"][expected_pairs], np.arange(expert_ids.size))
-    active = np.flatnonzero(np.diff(expected_offsets))
-    assert result["num_active"].tolist() == [active.size]
-    np.testing.assert_array_equal(result["active_experts"][:active.size], active)
 
 
 def hot_expert_ids(rng, num_tokens: int, top_k: int, num_experts: int, hot: int, used: int) -> np.ndarray:
@@ -227,15 +205,6 @@ def test_pairs_outside_the_experts_get_no_row_and_add_nothing(gpu, num_tokens):
 
 
 # ---- routing and alignment in one call ----
-
-def route_align_on_device(gpu, logits_dev, top_k: int, renormalize: bool):
-    """(weights, expert_ids, alignment arrays) from one moe_route_align call."""
-    num_tokens, num_experts = logits_dev.shape
-    weights, expert_ids = gpu.empty((num_tokens, top_k), DType.float32), gpu.empty((num_tokens, top_k), DType.int32)
-    alignment = poisoned_alignment(gpu, num_tokens * top_k, num_experts)
-    moe_routing.moe_route_align(weights, expert_ids, alignment, logits_dev, renormalize, gpu.stream)
-    return gpu.download(weights), gpu.download(expert_ids), download_alignment(gpu, alignment)
-
 
 def check_route_align(gpu, logits_dev, top_k: int) -> None:
     """The same weights and ids, bit for bit, as moe_route alone; the alignment of numpy's ids."""

@@ -25,7 +25,7 @@ from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
 from .kernels import (activation, attention, attention_prefill_wgmma, elementwise, embedding, fault, gemv, moe_gemm, moe_grouped_gemm,
-                      moe_grouped_wgmma, moe_routing, norm, rope_kv, sampling)
+                      moe_grouped_wgmma, moe_router, moe_routing, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
@@ -283,13 +283,22 @@ class CudaOps:
 
     def sparse_moe(self, x: DeviceTensor, router_input: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
                    down: DeviceTensor, top_k: int, renormalize: bool) -> DeviceTensor:
-        """The router GEMM (fp32 logits; in bf16 / fp16 [y | y_lo] @ [W | W]^T on the tensor cores),
-        routing with its alignment in one launch, then `_aligned_experts`."""
+        """The router GEMM (fp32 logits; in bf16 / fp16 [y | y_lo] @ [W | W]^T), the routing and its
+        alignment, then `_aligned_experts`. A decode step's few pairs (T * k <= WARP_MAX_PAIRS) take
+        one launch for all three (moe_router: a GEMV whose last block routes and aligns) wherever its
+        16-byte loads can read the operands; more take the GEMM (on the tensor cores), then
+        moe_route_align."""
         num_tokens, num_experts = x.shape[0], router.shape[0]
-        router_logits = self.linear(router_input, router, out_dtype=np.float32)
         weights, expert_ids = self._routing_outputs(num_tokens, num_experts, top_k)
         alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
-        moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
+        if (num_tokens * top_k <= moe_routing.WARP_MAX_PAIRS
+                and moe_router.unsupported_reason(router_input, router) is None):
+            router_logits = self.allocator.empty((num_tokens, num_experts), DType.float32)
+            moe_router.moe_router_route_align(weights, expert_ids, alignment, router_logits, router_input, router,
+                                              renormalize, self.stream)
+        else:
+            router_logits = self.linear(router_input, router, out_dtype=np.float32)
+            moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
         return self._aligned_experts(x, gate_up, down, weights, alignment)
 
     def _routing_outputs(self, num_tokens: int, num_experts: int, top_k: int) -> tuple[DeviceTensor, DeviceTensor]:

@@ -7,6 +7,8 @@ A MoE block on the device runs, all on one stream and graph-capturable:
       pairs sorted by expert into a `MoeAlignment` (the twin of group_by_expert, plus
       the inverse map and the active experts): one launch up to FUSED_MAX_TOKENS
       tokens (one warp's up to WARP_MAX_PAIRS pairs), else moe_route then moe_align;
+      up to WARP_MAX_PAIRS pairs, moe_router.moe_router_route_align runs the router GEMM
+      that makes router_logits and all of this in one launch;
   the expert GEMMs (moe_gemm.py), writing expert_out [P, H] in the activations' dtype, in
       expert order;
   moe_combine(out, expert_out, weights, row_of_pair, stream)
@@ -207,17 +209,27 @@ def moe_align(alignment: MoeAlignment, expert_ids: DeviceTensor, stream: Stream)
         blocks, _RANK_THREADS, [*alignment.outputs(), alignment.block_counts, *sizes], stream=stream)
 
 
+def check_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: MoeAlignment,
+                      router_logits: DeviceTensor) -> None:
+    """The operand rules of a routing with its alignment (moe_route_align, and moe_router's
+    launch, which writes router_logits first): moe_route's, and `alignment` sized for the
+    T*k pairs of E experts."""
+    _check_route(weights, expert_ids, router_logits)
+    num_tokens, num_experts = router_logits.shape
+    num_pairs = num_tokens * weights.shape[1]
+    require((alignment.num_pairs, alignment.num_experts) == (num_pairs, num_experts),
+            f"the alignment is sized for {alignment.num_pairs} pairs of {alignment.num_experts} experts, the routing "
+            f"makes {num_pairs} pairs of {num_experts}")
+
+
 def moe_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: MoeAlignment,
                     router_logits: DeviceTensor, renormalize: bool, stream: Stream) -> None:
     """`moe_route` then `moe_align` of its expert_ids into `alignment` (sized for T*k pairs
     and E experts), with the same results; in one launch up to WARP_MAX_PAIRS pairs or
     FUSED_MAX_TOKENS tokens."""
-    _check_route(weights, expert_ids, router_logits)
-    num_tokens, num_experts = router_logits.shape
+    check_route_align(weights, expert_ids, alignment, router_logits)
+    num_tokens = router_logits.shape[0]
     top_k = weights.shape[1]
-    require((alignment.num_pairs, alignment.num_experts) == (num_tokens * top_k, num_experts),
-            f"the alignment is sized for {alignment.num_pairs} pairs of {alignment.num_experts} experts, the routing "
-            f"makes {num_tokens * top_k} pairs of {num_experts}")
     args = [weights, expert_ids, *alignment.outputs(), *_route_args(router_logits, top_k, renormalize)]
     if num_tokens * top_k <= WARP_MAX_PAIRS:
         get_kernel(_route_align_warp_spec(router_logits.dtype)).launch(1, 32, args, stream=stream)

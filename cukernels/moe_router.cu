@@ -1,0 +1,121 @@
+// A MoE layer's router at decode in one launch: the router GEMV
+// router_logits [T, E] = router_input [T, K] @ router [E, K]^T, fp32 accumulation, then the
+// routing and alignment of moe_route_align_warp_kernel (moe_routing.cu) on those logits, bit
+// for bit, by the block that finishes last (with all its threads: moe_route_block.cuh).
+//
+// In a bf16 / fp16 model router_input is [y | y_lo] and router [W | W] (CudaOps.add_rmsnorm_for_router,
+// router_weight), in an fp32 one y and W; the kernel computes the product whatever K holds.
+// At batch 1 both halves are pure latency (1 MB of weights at E 128, K 4096 bf16, and a few
+// hundred instructions of ranking), so the GEMV issues every load of a thread before it uses
+// any: its whole cost is about one round trip to memory, and the routing follows without a
+// kernel boundary.
+#include "gemv_common.cuh"
+#include "moe_route_block.cuh"
+
+using namespace sparkd;
+
+constexpr int kRouterChunks = 2;     // 16-byte chunks of a router row a thread loads per pass
+constexpr int kRouterTokens = 4;     // tokens a pass multiplies by them
+constexpr int kRouterMaxWarps = 16;  // warps per block
+
+// Arrivals of the launch's blocks (arrive_last). Zero when the module loads, and zero again
+// after every launch. Launches must therefore not run concurrently: sparkd runs all work on
+// one stream.
+__device__ unsigned router_arrivals;
+
+// weights [T, k] float32, expert_ids [T, k] int32 and the alignment (moe_routing.cu's header)
+// of router_input [T, K] (row stride ld_x) and router [E, K], through router_logits [T, E]
+// float32 (contiguous), which the blocks write and the last one routes.
+// Launch: ceil(E / R) blocks of 32 * W * R threads, R * W <= kRouterMaxWarps: the block's
+// R experts have W warps each (warps_per_expert), which split K, each thread kRouterChunks
+// chunks of it a pass. Preconditions (checked by the launcher): K and ld_x are multiples of
+// a 16-byte chunk, router_input and router are 16-byte aligned, E <= kMaxExperts,
+// 1 <= k <= min(E, kMaxTopK), T * k <= 32.
+// The minimum of one block an SM is said outright: without it ptxas for sm_120 holds the
+// kernel to 64 registers and spills; with it, 84 (sm_90) to 92 (sm_120) and no spills.
+template <typename T>
+__global__ void __launch_bounds__(32 * kRouterMaxWarps, 1)
+    moe_router_route_align_kernel(float* __restrict__ weights, int* __restrict__ expert_ids,
+                                  int* __restrict__ offsets, int* __restrict__ sorted_pairs,
+                                  int* __restrict__ row_of_pair, int* __restrict__ active_experts,
+                                  int* __restrict__ num_active, float* __restrict__ router_logits,
+                                  const T* __restrict__ router_input, const T* __restrict__ router, int num_tokens,
+                                  int num_experts, int top_k, int K, long long ld_x, int warps_per_expert,
+                                  int renormalize) {
+  using C = Chunk<T>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int group_threads = 32 * warps_per_expert;  // the threads of one expert
+  const int experts_per_block = blockDim.x / group_threads;
+  const int first_expert = blockIdx.x * experts_per_block;
+  // An expert past E (in the last block) re-reads row E - 1; its sums are never stored.
+  const T* w_row = router + static_cast<long long>(min(first_expert + warp / warps_per_expert, num_experts - 1)) * K;
+  const GlobalRows<T> x{router_input, ld_x};
+  const int num_chunks = K / C::kSize;
+  __shared__ float partial[kRouterMaxWarps][kRouterTokens];
+
+  for (int first_token = 0; first_token < num_tokens; first_token += kRouterTokens) {
+    float acc[kRouterTokens] = {};
+    for (int first = threadIdx.x % group_threads; first < num_chunks; first += group_threads * kRouterChunks) {
+      // Every load of the pass is issued before the first use, so that the pass costs one
+      // round trip to memory: the router row streams past L1, x (read by every block) stays there.
+      uint4 w_raw[kRouterChunks], x_raw[kRouterTokens][kRouterChunks];
+#pragma unroll
+      for (int u = 0; u < kRouterChunks; ++u) {
+        const int chunk = first + u * group_threads;
+        if (chunk < num_chunks) w_raw[u] = load_streaming(w_row + static_cast<long long>(chunk) * C::kSize);
+      }
+#pragma unroll
+      for (int m = 0; m < kRouterTokens; ++m) {
+#pragma unroll
+        for (int u = 0; u < kRouterChunks; ++u) {
+          const int chunk = first + u * group_threads;
+          if (first_token + m < num_tokens && chunk < num_chunks) x_raw[m][u] = x.chunk(first_token + m, chunk);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRouterChunks; ++u) {
+        if (first + u * group_threads >= num_chunks) break;
+        float w_vals[C::kSize];
+        C::unpack(w_raw[u], w_vals);
+#pragma unroll
+        for (int m = 0; m < kRouterTokens; ++m) {
+          if (first_token + m >= num_tokens) break;
+          float x_vals[C::kSize];
+          C::unpack(x_raw[m][u], x_vals);
+#pragma unroll
+          for (int i = 0; i < C::kSize; ++i) acc[m] = fmaf(x_vals[i], w_vals[i], acc[m]);
+        }
+      }
+    }
+
+    // Lanes, then the expert's warps in order: a fixed order of sums.
+#pragma unroll
+    for (int m = 0; m < kRouterTokens; ++m) {
+      const float sum = warp_reduce(acc[m], SumOp());
+      if (lane == 0) partial[warp][m] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < experts_per_block * kRouterTokens) {
+      const int slot = threadIdx.x / kRouterTokens, m = threadIdx.x % kRouterTokens;
+      const int expert = first_expert + slot, token = first_token + m;
+      if (expert < num_experts && token < num_tokens) {
+        float sum = 0.f;
+        for (int w = 0; w < warps_per_expert; ++w) sum += partial[slot * warps_per_expert + w][m];
+        router_logits[token * num_experts + expert] = sum;
+      }
+    }
+    __syncthreads();  // the next tokens overwrite partial
+  }
+
+  if (!arrive_last(&router_arrivals, gridDim.x)) return;
+  // The last block routes: with all its threads while the logits fit its shared memory.
+  const RouterLogits<float, true> logits{router_logits, num_experts};
+  if (num_tokens * num_experts <= kBlockRouteLogits) {
+    __shared__ BlockRouteShared route;
+    route_align_block(weights, expert_ids, offsets, sorted_pairs, row_of_pair, active_experts, num_active, logits,
+                      num_tokens, num_experts, top_k, renormalize, route);
+  } else if (warp == 0) {
+    route_align_warp(weights, expert_ids, offsets, sorted_pairs, row_of_pair, active_experts, num_active, logits,
+                     num_tokens, num_experts, top_k, renormalize);
+  }
+}

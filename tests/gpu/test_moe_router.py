@@ -1,0 +1,194 @@
+"""The MoE router in one launch (cukernels/moe_router.cu: the router GEMV, then the routing and
+alignment by its last block) against numpy.
+
+- router_logits against the float64 product of the inputs as the device holds them:
+  max |a - b| / max |b| <= 1e-5 in every dtype (the inputs are exact in fp32; only the order of
+  the sums differs).
+- weights, expert_ids and the whole alignment against the numpy twin (moe_route, then
+  group_by_expert) run on the device's own logits, which isolates the GEMV's rounding from the
+  routing: ids and alignment exactly, weights within 1e-6 (fp32 softmax on both sides); and bit
+  for bit what moe_route_align, today's second launch, makes of those same logits.
+- T = 1 to 4 tokens and 32 // k (the most one launch takes), E = 8 / 60 / 128 / 256, k = 1 / 2 / 8,
+  K = 64 to 4104 (4104 fp32 takes two passes), fp32 / bf16 / fp16, router_input a column slice
+  whose rows are spaced wider than K, renormalised or not.
+- The arrival counter: launches back to back, of one shape and of two, and graph replays.
+- The operands CudaOps.add_rmsnorm_for_router and router_weight make ([y | y_lo] and [W | W] in
+  bf16 / fp16): the logits of the unrounded rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparkd.backend.cpu.moe import moe_route
+from sparkd.backend.cuda.kernels import moe_router
+from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
+from sparkd.backend.cuda.transfer import copy_to_device, encode
+from sparkd.backend.dtypes import DType
+
+from .moe_cases import (
+    ALIGNMENT_VIEWS,
+    POISON,
+    check_alignment,
+    download_alignment,
+    poison_alignment,
+    poisoned_alignment,
+    route_align_on_device,
+)
+
+DTYPES = ["float32", "bfloat16", "float16"]
+LOGITS_TOLERANCE = 1e-5
+WEIGHT_ATOL = 1e-6
+LOGIT_SCALE = 3.0  # logits ~ N(0, 9): numpy's fp32 softmax keeps distinct logits apart (no 0 or tied probabilities)
+
+
+class RouterCase:
+    """router_input [T, K] (a column slice of a [T, K + 3 chunks] matrix) and router [E, K] on the
+    device in `dtype`, their host copies as the device holds them, and the outputs' buffers."""
+
+    def __init__(self, gpu, rng, num_tokens: int, num_experts: int, top_k: int, width: int, dtype: str):
+        self.gpu, self.top_k, self.dtype = gpu, top_k, DType.parse(dtype)
+        self.chunk = 16 // self.dtype.itemsize
+        self.wide = gpu.empty((num_tokens, width + 3 * self.chunk), self.dtype)
+        self.router_input = self.wide.column_slice(self.chunk, width)
+        self.router = gpu.empty((num_experts, width), self.dtype)
+        self.router_logits = gpu.empty((num_tokens, num_experts), DType.float32)
+        self.weights = gpu.empty((num_tokens, top_k), DType.float32)
+        self.expert_ids = gpu.empty((num_tokens, top_k), DType.int32)
+        self.alignment = poisoned_alignment(gpu, num_tokens * top_k, num_experts)
+        self.new_inputs(rng)
+
+    def new_inputs(self, rng) -> None:
+        """Fresh router_input and router; x and w: their host copies as held."""
+        num_experts, width = self.router.shape
+        wide = rng.standard_normal(self.wide.shape, dtype=np.float32)
+        router = rng.standard_normal((num_experts, width), dtype=np.float32) * np.float32(LOGIT_SCALE / np.sqrt(width))
+        encoded = [encode(wide, self.dtype), encode(router, self.dtype)]
+        for dst, host in zip((self.wide, self.router), encoded):
+            copy_to_device(dst, host, self.gpu.stream)
+        self.gpu.stream.synchronize()  # `encoded` is pageable: let the copies land before it goes
+        self.x = self.gpu.download(self.router_input).astype(np.float64)
+        self.w = self.gpu.download(self.router).astype(np.float64)
+
+    def poison_outputs(self) -> None:
+        """NaN logits and weights, POISON ids and alignment: a launch must overwrite them."""
+        outputs = (self.router_logits, self.weights, self.expert_ids)
+        poison = [np.full(dst.shape, value, dst.dtype.host) for dst, value in zip(outputs, (np.nan, np.nan, POISON))]
+        for dst, host in zip(outputs, poison):
+            copy_to_device(dst, host, self.gpu.stream)
+        poison_alignment(self.gpu, self.alignment)  # synchronizes the stream while `poison` is alive
+
+    def launch(self, renormalize: bool) -> None:
+        moe_router.moe_router_route_align(self.weights, self.expert_ids, self.alignment, self.router_logits,
+                                          self.router_input, self.router, renormalize, self.gpu.stream)
+
+    def check(self, rel_error, renormalize: bool) -> None:
+        """The logits against float64; the routing against numpy on the device's logits and, bit for
+        bit, against moe_route_align on them."""
+        logits = self.gpu.download(self.router_logits)
+        assert rel_error(logits, self.x @ self.w.T) <= LOGITS_TOLERANCE
+        weights, expert_ids = self.gpu.download(self.weights), self.gpu.download(self.expert_ids)
+        alignment = download_alignment(self.gpu, self.alignment)
+        expected_weights, expected_ids = moe_route(logits, self.top_k, renormalize)
+        np.testing.assert_array_equal(expert_ids, expected_ids)
+        np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=WEIGHT_ATOL)
+        check_alignment(alignment, expected_ids, self.router.shape[0])
+
+        two_launch_weights, two_launch_ids, two_launch_alignment = route_align_on_device(
+            self.gpu, self.router_logits, self.top_k, renormalize)
+        np.testing.assert_array_equal(weights, two_launch_weights)
+        np.testing.assert_array_equal(expert_ids, two_launch_ids)
+        for name, values in two_launch_alignment.items():  # both poisoned before their launch: all of it
+            np.testing.assert_array_equal(alignment[name], values, err_msg=name)
+
+    def run_and_check(self, rel_error, renormalize: bool) -> None:
+        self.poison_outputs()
+        self.launch(renormalize)
+        self.check(rel_error, renormalize)
+
+
+SHAPES = [(num_experts, top_k) for num_experts in (8, 60, 128, 256) for top_k in (1, 2, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 2048, 4096, 4104])
+@pytest.mark.parametrize("num_experts,top_k", SHAPES)
+def test_router_matches_numpy(gpu, rel_error, dtype, width, num_experts, top_k):
+    """T = 1, 2, 3, 4 and 32 // k tokens, each renormalised and not. E = 60 with K = 64 leaves the
+    last block slots past E; K = 2048 in bf16 puts two experts in a block."""
+    rng = np.random.default_rng(num_experts * 10000 + top_k * 1000 + width)
+    for num_tokens in sorted({1, 2, 3, 4, 32 // top_k}):
+        case = RouterCase(gpu, rng, num_tokens, num_experts, top_k, width, dtype)
+        for renormalize in (False, True):
+            case.run_and_check(rel_error, renormalize)
+
+
+@pytest.mark.gpu
+def test_router_counter_resets_for_the_next_launch(gpu, rel_error):
+    """The blocks count themselves in on one device counter that the last block resets: the same
+    launch twice in a row, then two shapes of different grids (128 blocks, then one) back to back,
+    and again. A counter left behind would make no block the last one, and leave the outputs poisoned."""
+    rng = np.random.default_rng(11)
+    decode = RouterCase(gpu, rng, 1, 128, 8, 4096, "bfloat16")
+    small = RouterCase(gpu, rng, 16, 8, 2, 64, "float32")
+    for case in (decode, decode, small, decode, small, small):
+        case.new_inputs(rng)
+        case.run_and_check(rel_error, renormalize=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_router_replays_in_a_cuda_graph(gpu, rel_error, num_tokens):
+    """Captured once, replayed on new inputs copied into its buffers: every replay routes them."""
+    from sparkd.backend.cuda.graphs import capture
+
+    rng = np.random.default_rng(12)
+    case = RouterCase(gpu, rng, num_tokens, 128, 8, 4096, "bfloat16")
+    case.launch(renormalize=True)  # loads the kernel outside the capture, as the warm-up does
+    graph, _ = capture(gpu.stream, lambda: case.launch(renormalize=True))
+    try:
+        for _ in range(3):
+            case.new_inputs(rng)
+            case.poison_outputs()
+            graph.replay(gpu.stream)
+            case.check(rel_error, renormalize=True)
+    finally:
+        graph.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_router_on_the_rows_add_rmsnorm_for_router_writes(cuda_ops_factory, rel_error, dtype, num_tokens):
+    """router_input and router as CudaOps makes them for sparse_moe ([y | y_lo] and [W | W] in bf16 /
+    fp16, y and W in fp32): the logits of the normed rows before their rounding, as NumpyOps
+    computes them in fp32, to 1e-5; the routing that of numpy on the device's logits."""
+    from sparkd.backend.cpu.ops import NumpyOps
+
+    ops, ref = cuda_ops_factory(dtype), NumpyOps()
+    rng = np.random.default_rng(13 + num_tokens)
+    hidden, num_experts, top_k = 2048, 128, 8
+    x = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), ops.dtype)
+    residual = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), np.float32)
+    norm_weight = ops.upload((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32), ops.dtype)
+    router = ops.upload((rng.standard_normal((num_experts, hidden)) * 0.05).astype(np.float32), ops.dtype)
+    x_h, residual_h, norm_h, router_h = (ops.download(t).astype(np.float32) for t in (x, residual, norm_weight, router))
+
+    _, router_input, _ = ops.add_rmsnorm_for_router(x, residual, norm_weight, 1e-6)
+    router_logits = ops.allocator.empty((num_tokens, num_experts), DType.float32)
+    weights = ops.allocator.empty((num_tokens, top_k), DType.float32)
+    expert_ids = ops.allocator.empty((num_tokens, top_k), DType.int32)
+    alignment = MoeAlignment.allocate(ops.allocator, num_tokens * top_k, num_experts)
+    moe_router.moe_router_route_align(weights, expert_ids, alignment, router_logits, router_input,
+                                      ops.router_weight(router), True, ops.stream)
+
+    y_ref, _ = ref.add_rmsnorm(x_h, residual_h, norm_h, 1e-6)
+    logits = ops.download(router_logits)
+    assert rel_error(logits, y_ref.astype(np.float64) @ router_h.astype(np.float64).T) <= LOGITS_TOLERANCE
+    expected_weights, expected_ids = moe_route(logits, top_k, True)
+    np.testing.assert_array_equal(ops.download(expert_ids), expected_ids)
+    np.testing.assert_allclose(ops.download(weights), expected_weights, rtol=0, atol=WEIGHT_ATOL)
+    check_alignment({name: ops.download(getattr(alignment, name)) for name in ALIGNMENT_VIEWS}, expected_ids,
+                    num_experts)
