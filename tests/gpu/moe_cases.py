@@ -3,7 +3,9 @@
 the alignment kernel makes, so those tests do not depend on it; `as_stored`, the rounding
 of a result to the device's dtype; the combine on the device and its numpy loop
 (test_moe_combine.py, test_moe_routing.py); and the alignment on the device, poisoned before
-a launch, downloaded and checked against group_by_expert (test_moe_routing.py, test_moe_router.py)."""
+a launch, downloaded and checked against group_by_expert (test_moe_routing.py, test_moe_router.py);
+the router's operands as CudaOps makes them, with their logits in numpy (test_moe_router.py,
+test_cuda_ops.py)."""
 
 from __future__ import annotations
 
@@ -257,3 +259,34 @@ def route_align_on_device(gpu, logits_dev, top_k: int, renormalize: bool):
     alignment = poisoned_alignment(gpu, num_tokens * top_k, num_experts)
     moe_routing.moe_route_align(weights, expert_ids, alignment, logits_dev, renormalize, gpu.stream)
     return gpu.download(weights), gpu.download(expert_ids), download_alignment(gpu, alignment)
+
+
+ROUTER_EPS = 1e-6
+
+
+@dataclass
+class RouterCase:
+    """A MoE router's operands on the device: x [T, H], norm_weight [H] and router [E, H] in the ops'
+    dtype, residual [T, H] float32 (and its host copy); the router on the host as stored, and
+    expected_logits [T, E] float64: NumpyOps' fp32 add_rmsnorm rows (unrounded) times it."""
+
+    x: object
+    residual: object
+    norm_weight: object
+    router: object
+    residual_host: np.ndarray
+    router_host: np.ndarray
+    expected_logits: np.ndarray
+
+
+def router_case(ops, rng, num_tokens: int, hidden: int, num_experts: int) -> RouterCase:
+    from sparkd.backend.cpu.ops import NumpyOps
+
+    x = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), ops.dtype)
+    residual = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), np.float32)
+    norm_weight = ops.upload((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32), ops.dtype)
+    router = ops.upload((rng.standard_normal((num_experts, hidden)) * 0.05).astype(np.float32), ops.dtype)
+    x_h, residual_h, norm_h, router_h = (ops.download(t).astype(np.float32) for t in (x, residual, norm_weight, router))
+    y_ref, _ = NumpyOps().add_rmsnorm(x_h, residual_h, norm_h, ROUTER_EPS)
+    return RouterCase(x, residual, norm_weight, router, residual_h, router_h,
+                      y_ref.astype(np.float64) @ router_h.astype(np.float64).T)

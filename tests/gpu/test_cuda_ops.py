@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from .moe_cases import ROUTER_EPS, router_case
+
 pytestmark = pytest.mark.gpu
 
 BLOCK_SIZE = 4
@@ -165,25 +167,15 @@ def test_router_logits_are_the_unrounded_rows(cuda_ops_factory, rel_error, dtype
     every dtype (bf16 / fp16 take the split [y | y_lo] @ [W | W]^T path on the tensor cores),
     and far closer than the rounded rows' logits in bf16. y is the rows rounded, as add_rmsnorm
     gives them."""
-    from sparkd.backend.cpu.ops import NumpyOps
+    ops = cuda_ops_factory(dtype)
+    case = router_case(ops, np.random.default_rng(num_tokens), num_tokens, 256, 64)
+    x, norm_weight, expected = case.x, case.norm_weight, case.expected_logits
 
-    ops, ref = cuda_ops_factory(dtype), NumpyOps()
-    rng = np.random.default_rng(num_tokens)
-    hidden, experts = 256, 64
-    x = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), ops.dtype)
-    residual = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), np.float32)
-    norm_weight = ops.upload((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32), ops.dtype)
-    router = ops.upload((rng.standard_normal((experts, hidden)) * 0.05).astype(np.float32), ops.dtype)
-    x_h, residual_h, norm_h, router_h = (ops.download(t).astype(np.float32) for t in (x, residual, norm_weight, router))
-
-    y, router_input, _ = ops.add_rmsnorm_for_router(x, residual, norm_weight, 1e-6)
-    logits = ops.download(ops.linear(router_input, ops.router_weight(router), out_dtype=np.float32))
-
-    y_ref, _ = ref.add_rmsnorm(x_h, residual_h, norm_h, 1e-6)
-    expected = y_ref.astype(np.float64) @ router_h.astype(np.float64).T
+    y, router_input, _ = ops.add_rmsnorm_for_router(x, case.residual, norm_weight, ROUTER_EPS)
+    logits = ops.download(ops.linear(router_input, ops.router_weight(case.router), out_dtype=np.float32))
     assert rel_error(logits, expected) <= 1e-5
-    y_plain, _ = ops.add_rmsnorm(x, ops.upload(residual_h, np.float32), norm_weight, 1e-6)
+    y_plain, _ = ops.add_rmsnorm(x, ops.upload(case.residual_host, np.float32), norm_weight, ROUTER_EPS)
     np.testing.assert_array_equal(ops.download(y), ops.download(y_plain))
     if dtype == "bfloat16":
-        rounded = ops.download(y).astype(np.float64) @ router_h.astype(np.float64).T
+        rounded = ops.download(y).astype(np.float64) @ case.router_host.astype(np.float64).T
         assert rel_error(logits, expected) < rel_error(rounded, expected) / 30

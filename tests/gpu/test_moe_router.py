@@ -30,11 +30,13 @@ from sparkd.backend.dtypes import DType
 from .moe_cases import (
     ALIGNMENT_VIEWS,
     POISON,
+    ROUTER_EPS,
     check_alignment,
     download_alignment,
     poison_alignment,
     poisoned_alignment,
     route_align_on_device,
+    router_case,
 )
 
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -165,28 +167,20 @@ def test_router_on_the_rows_add_rmsnorm_for_router_writes(cuda_ops_factory, rel_
     """router_input and router as CudaOps makes them for sparse_moe ([y | y_lo] and [W | W] in bf16 /
     fp16, y and W in fp32): the logits of the normed rows before their rounding, as NumpyOps
     computes them in fp32, to 1e-5; the routing that of numpy on the device's logits."""
-    from sparkd.backend.cpu.ops import NumpyOps
-
-    ops, ref = cuda_ops_factory(dtype), NumpyOps()
-    rng = np.random.default_rng(13 + num_tokens)
+    ops = cuda_ops_factory(dtype)
     hidden, num_experts, top_k = 2048, 128, 8
-    x = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), ops.dtype)
-    residual = ops.upload(rng.standard_normal((num_tokens, hidden)).astype(np.float32), np.float32)
-    norm_weight = ops.upload((1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32), ops.dtype)
-    router = ops.upload((rng.standard_normal((num_experts, hidden)) * 0.05).astype(np.float32), ops.dtype)
-    x_h, residual_h, norm_h, router_h = (ops.download(t).astype(np.float32) for t in (x, residual, norm_weight, router))
+    case = router_case(ops, np.random.default_rng(13 + num_tokens), num_tokens, hidden, num_experts)
 
-    _, router_input, _ = ops.add_rmsnorm_for_router(x, residual, norm_weight, 1e-6)
+    _, router_input, _ = ops.add_rmsnorm_for_router(case.x, case.residual, case.norm_weight, ROUTER_EPS)
     router_logits = ops.allocator.empty((num_tokens, num_experts), DType.float32)
     weights = ops.allocator.empty((num_tokens, top_k), DType.float32)
     expert_ids = ops.allocator.empty((num_tokens, top_k), DType.int32)
     alignment = MoeAlignment.allocate(ops.allocator, num_tokens * top_k, num_experts)
     moe_router.moe_router_route_align(weights, expert_ids, alignment, router_logits, router_input,
-                                      ops.router_weight(router), True, ops.stream)
+                                      ops.router_weight(case.router), True, ops.stream)
 
-    y_ref, _ = ref.add_rmsnorm(x_h, residual_h, norm_h, 1e-6)
     logits = ops.download(router_logits)
-    assert rel_error(logits, y_ref.astype(np.float64) @ router_h.astype(np.float64).T) <= LOGITS_TOLERANCE
+    assert rel_error(logits, case.expected_logits) <= LOGITS_TOLERANCE
     expected_weights, expected_ids = moe_route(logits, top_k, True)
     np.testing.assert_array_equal(ops.download(expert_ids), expected_ids)
     np.testing.assert_allclose(ops.download(weights), expected_weights, rtol=0, atol=WEIGHT_ATOL)
