@@ -22,7 +22,6 @@ model do, and the timed launches are replayed from one CUDA graph.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -32,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, copy_bandwidth, timed_graph  # noqa: E402
+from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
 
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
@@ -174,9 +173,7 @@ def print_fused_rope_table(bench: Bench, planned: int = 8192) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--iters", type=int, default=20)
+    parser = bench_parser(__doc__, 20, ("bfloat16", "float16"))
     args = parser.parse_args(argv)
 
     bench = Bench(DType.parse(args.dtype), args.iters)

@@ -11,7 +11,6 @@ launches are replayed from one CUDA graph.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_attention import HEAD_DIM, NUM_Q_HEADS, Bench, causal_flops  # noqa: E402
-from bench_common import timed_graph  # noqa: E402
+from bench_common import bench_parser, timed_graph  # noqa: E402
 
 from sparkd.backend.cuda.kernels import attention, attention_prefill_wgmma  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
@@ -42,9 +41,7 @@ def seconds_per_call(bench: Bench, launcher, query_lens: list[int], num_kv_heads
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--iters", type=int, default=20)
+    parser = bench_parser(__doc__, 20, ("bfloat16", "float16"))
     args = parser.parse_args(argv)
 
     bench = Bench(DType.parse(args.dtype), args.iters)

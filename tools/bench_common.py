@@ -1,11 +1,13 @@
 """Helpers shared by the kernel benchmarks in tools/: a device, stream and
 allocator with constant-filled and uploaded tensors (`DeviceBench`),
-graph-replayed timing of a launch sequence, and the device-to-device copy rate
-that the bandwidth-bound results are divided by.
+graph-replayed timing of a launch sequence, the device-to-device copy rate
+that the bandwidth-bound results are divided by, the options every kernel bench
+takes, and the verdict beside a target.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -118,3 +120,17 @@ def best_seconds(stream: Stream, work, reps: int) -> float:
         end.synchronize()
         best = min(best, start.elapsed_ms(end) / 1e3)
     return best
+
+
+def bench_parser(description: str, iters: int, dtypes: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """A kernel bench's options: --iters (calls a timed graph replays, default `iters`), and
+    --dtype among `dtypes` (the first by default) when any are given."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if dtypes:
+        parser.add_argument("--dtype", default=dtypes[0], choices=list(dtypes))
+    parser.add_argument("--iters", type=int, default=iters, help="calls per timed graph (default %(default)s)")
+    return parser
+
+
+def verdict(value: float, target: float) -> str:
+    return f"{'meets' if value >= target else 'MISSES'} >= {target:g}"

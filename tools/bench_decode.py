@@ -16,8 +16,8 @@ embedding table, plus the KV cache of every context, at the device-to-device cop
 rate (bytes read plus written, as GPU-FACTS.md counts it); the prefill's model FLOPs
 (2 per weight per token, 4 * Hq * D per causal (query, key) pair) run at most at the
 rate of a bf16 8192^3 GEMM. The peer: transformers' generate with the static cache
-(which it compiles), batch 1, in the same process, the best of PEER_REPS runs after a
-warm-up, when torch and CUDA are there.
+(which it compiles), batch 1, in the same process, the best of 3 runs after a warm-up,
+when torch and CUDA are there (bench_peer.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import best_seconds, copy_bandwidth  # noqa: E402
+from bench_common import best_seconds, copy_bandwidth, verdict  # noqa: E402
 from bench_gemm import gemm_rate  # noqa: E402
+from bench_peer import print_peer, transformers_decode  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
 
 from sparkd import SamplingParams  # noqa: E402
@@ -59,7 +60,6 @@ LLAMA_3_1_8B = {
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
 }
 PROMPT_LEN = 128
-PEER_REPS = 3  # runs of the transformers peer, the best taken
 BATCH, CONTEXT = 64, 1024
 PREFILL_LEN = 8192
 WARMUP_STEPS = 2  # the first decode step of a batch size captures its graph
@@ -266,63 +266,6 @@ def run_prefill(model: Model, length: int, reps: int, rng) -> tuple[float, float
     return min(times), statistics.median(times)
 
 
-def transformers_decode(hf_config: dict, model_type: str, num_layers: int, new_tokens: int,
-                        compile: bool = True, reps: int = PEER_REPS, device: str = "cuda") -> tuple[float, float] | None:
-    """(tokens/s of generate, decode-only tokens/s with the prompt's forward taken out) for
-    batch 1 after a PROMPT_LEN prompt, static cache (compiled by generate unless `compile` is
-    False); each the best of `reps` runs after a warm-up (which compiles), as sparkd's own
-    figures are best-ofs: a single run of the peer moved between 112.6 and 142.4 tok/s from
-    call to call (docs/benchmarks.md). None without torch, transformers or a CUDA torch
-    (device "cpu" checks the arithmetic of this function on a tiny config)."""
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None
-    if device == "cuda" and not torch.cuda.is_available():
-        return None
-    hf = {k: v for k, v in hf_config.items() if k != "architectures"}
-    config = transformers.AutoConfig.for_model(model_type, **{**hf, "num_hidden_layers": num_layers})
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    prompt = torch.randint(0, config.vocab_size, (1, PROMPT_LEN), device=device)
-    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-              "cache_implementation": "static", "pad_token_id": config.eos_token_id, "disable_compile": not compile}
-    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def best_of(work) -> float:
-        work()  # the first generate compiles the decode step
-        times = []
-        for _ in range(reps):
-            synchronize()
-            start = time.perf_counter()
-            work()
-            synchronize()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    with torch.no_grad():
-        total = best_of(lambda: model.generate(prompt, **kwargs))
-        prompt_forward = best_of(lambda: model(prompt))
-    return new_tokens / total, (new_tokens - 1) / (total - prompt_forward)
-
-
-def print_peer(peer: tuple[float, float] | None, how: str, new_tokens: int, served_tokens_per_s: float,
-               target: float | None) -> None:
-    """The transformers rows beside sparkd's batch-1 served rate (`peer` from transformers_decode)."""
-    if peer is None:
-        print("\n# transformers baseline skipped (--no-transformers, or no CUDA torch)")
-        return
-    generate_tokens_per_s, decode_tokens_per_s = peer
-    print(f"\n| transformers, {how}, batch 1 | tok/s | sparkd served / it | target |")
-    print("| --- | --- | --- | --- |")
-    print(f"| generate: {PROMPT_LEN}-token prompt + {new_tokens} new tokens | {generate_tokens_per_s:.1f} | "
-          f"{served_tokens_per_s / generate_tokens_per_s:.2f} | |")
-    ratio = served_tokens_per_s / decode_tokens_per_s
-    print(f"| decode only (the prompt's forward taken out) | {decode_tokens_per_s:.1f} | {ratio:.2f} | "
-          f"{verdict(ratio, target) if target else ''} |")
-
-
 def measure_ceilings(shape: str) -> tuple[CudaOps, float, float]:
     """Set up logging and a bf16 CudaOps; measure and print the copy rate (bytes/s) and the
     bf16 8192^3 GEMM rate (FLOP/s)."""
@@ -366,10 +309,6 @@ def print_decode_row(batch: int, context: int, how: str, tokens_per_s: float, ro
           flush=True)
 
 
-def verdict(value: float, target: float) -> str:
-    return f"{'meets' if value >= target else 'MISSES'} >= {target:g}"
-
-
 def parse_bench_args(description: str, layers: int, steps: int, argv: list[str] | None) -> argparse.Namespace:
     """The options bench_decode.py and bench_moe.py share; `layers`: the real shape's count."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -392,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| batch-1 decode, served | {batch1_tokens_per_s:.1f} tok/s | | | "
           f"{verdict(batch1_tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s |", flush=True)
 
-    peer = None if args.no_transformers else transformers_decode(LLAMA_3_1_8B, "llama", args.layers, PROMPT_LEN)
-    print_peer(peer, "static cache, compiled", PROMPT_LEN, batch1_tokens_per_s, VS_TRANSFORMERS)
+    peer = None if args.no_transformers else transformers_decode(LLAMA_3_1_8B, "llama", args.layers, PROMPT_LEN,
+                                                                 PROMPT_LEN)
+    print_peer(peer, "static cache, compiled", PROMPT_LEN, PROMPT_LEN, batch1_tokens_per_s, VS_TRANSFORMERS)
     return 0
 
 

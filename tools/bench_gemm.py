@@ -24,7 +24,6 @@ Without it, the column shows the table the engine would load now.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import sys
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda.bindings import driver  # noqa: E402
 
-from bench_common import best_seconds, copy_bandwidth, timed_graph  # noqa: E402
+from bench_common import bench_parser, best_seconds, copy_bandwidth, timed_graph  # noqa: E402
 from sparkd.backend.cuda.driver import Stream, call, init_device  # noqa: E402
 from sparkd.backend.cuda.gemm import Gemm  # noqa: E402
 from sparkd.backend.cuda.gemm_table import (  # noqa: E402
@@ -153,10 +152,8 @@ def bench_shapes(model_dir: str | None) -> dict[str, tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser = bench_parser(__doc__, 50, ("bfloat16", "float16"))
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
-    parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--model", metavar="DIR", help="also the GEMM shapes of this checkpoint (its config.json)")
     parser.add_argument("--write-table", nargs="?", const="", metavar="PATH",
                         help="write the measured table (default: this device's file in the sparkd cache)")

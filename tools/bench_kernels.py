@@ -14,7 +14,6 @@ not counted.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, copy_bandwidth, timed_graph
+from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph
 
 from sparkd.backend.cuda.kernels import (
     activation,
@@ -116,11 +115,9 @@ def bench_sampling(b: Bench, rows: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser = bench_parser(__doc__, 50, ("bfloat16", "float16", "float32"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 8192])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64], help="sampling batch sizes")
-    parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
 
     bench = Bench(DType.parse(args.dtype), args.iters)

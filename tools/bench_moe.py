@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_decode import (Model, measure_ceilings, parse_bench_args, print_engine_measures,  # noqa: E402
-                          print_peer, random_device_weights, transformers_decode)
+                          random_device_weights)
+from bench_peer import print_peer, transformers_decode  # noqa: E402
 
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 from sparkd.engine.args import EngineArgs  # noqa: E402
@@ -106,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     served = print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 5), args.steps, copy_rate, gemm_flops,
                                    rng)
     # Eager: compiling transformers' expert loop for a static cache takes minutes.
-    peer = None if args.no_transformers else transformers_decode(QWEN3_30B_A3B, "qwen3_moe", args.layers, PEER_TOKENS,
-                                                                 compile=False)
-    print_peer(peer, "static cache, eager", PEER_TOKENS, served[0], None)
+    peer = None if args.no_transformers else transformers_decode(QWEN3_30B_A3B, "qwen3_moe", args.layers, PROMPT_LEN,
+                                                                 PEER_TOKENS, compile=False)
+    print_peer(peer, "static cache, eager", PROMPT_LEN, PEER_TOKENS, served[0], None)
     return 0
 
 

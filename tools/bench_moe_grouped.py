@@ -19,7 +19,6 @@ beforehand.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, timed_graph
+from bench_common import DeviceBench, bench_parser, timed_graph
 from bench_gemm import gemm_rate
 
 from sparkd.backend.cuda.gemm import Gemm
@@ -111,11 +110,9 @@ def dense_seconds(b: Bench, m: int, n: int, k: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, 10, ("bfloat16", "float16"))
     parser.add_argument("--model", nargs="+", default=["qwen3", "mixtral"], choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--iters", type=int, default=10, help="calls per timed graph")
     args = parser.parse_args(argv)
     if any(tokens < 1 for tokens in args.tokens):
         parser.error(f"--tokens values must be >= 1, got {args.tokens}")

@@ -16,7 +16,6 @@ counted.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, copy_bandwidth, timed_graph
+from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph
 
 from sparkd.backend.cuda.kernels import moe_gemm, moe_routing
 from sparkd.backend.cuda.ops import CudaOps
@@ -121,11 +120,9 @@ def bench_tokens(b: Bench, tokens: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, 48, ("bfloat16", "float16", "float32"))
     parser.add_argument("--model", default="qwen3", choices=sorted(MODELS))
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--iters", type=int, default=48, help="calls per timed graph")
     parser.add_argument("--copies", type=int, default=4, help="weight sets the graph cycles over (beats L2)")
     args = parser.parse_args(argv)
     if args.iters % args.copies:

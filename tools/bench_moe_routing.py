@@ -23,7 +23,6 @@ different copies of the router, 64 MB in all, so its weights come from DRAM as i
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, copy_bandwidth, timed_graph
+from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph
 
 from sparkd.backend.cuda.gemm import Gemm
 from sparkd.backend.cuda.kernels import moe_router, moe_routing
@@ -121,11 +120,10 @@ def bench_router(b: Bench, gemm: Gemm, routers: list[DeviceTensor], tokens: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, 50)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
     parser.add_argument("--router-tokens", type=int, nargs="+", default=[1, 2, 4],
                         help="decode batches of the router rows (T * 8 <= 32)")
-    parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
 
     bench = Bench(args.iters)

@@ -15,7 +15,6 @@ two uses of one set, so the small cases are not served from L2.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, copy_bandwidth, timed_graph
+from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph
 
 from sparkd.backend.cuda.kernels import rope_kv
 from sparkd.backend.cuda.ops import rope_cos_sin
@@ -81,9 +80,8 @@ class Bench(DeviceBench):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, 50)
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 4096, 8192])
-    parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
 
     bench = Bench(args.iters)

@@ -13,7 +13,6 @@ one CUDA graph (tools/bench_common.timed_graph), so no Python overhead is counte
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, copy_bandwidth, timed_graph
+from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph
 
 from sparkd.backend.base import SamplingTensors
 from sparkd.backend.cuda.kernels import sampling
@@ -82,10 +81,9 @@ def bench_shape(bench: DeviceBench, staging: StagingRing, copy_rate: float, rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, 50)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--vocab", type=int, nargs="+", default=[128256, 151936])
-    parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
 
     bench = DeviceBench(DType.float32, args.iters)
