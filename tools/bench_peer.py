@@ -13,7 +13,8 @@ PEER_REPS = 3  # runs of the peer after its warm-up, the best taken
 
 
 def transformers_decode(hf_config: dict, model_type: str, num_layers: int, prompt_len: int, new_tokens: int,
-                        compile: bool = True, reps: int = PEER_REPS, device: str = "cuda") -> tuple[float, float] | None:
+                        compile: bool = True, reps: int = PEER_REPS,
+                        device: str = "cuda") -> tuple[float, float] | None:
     """(tokens/s of generate, decode-only tokens/s with the prompt's forward taken out) for
     batch 1 after a prompt_len-token prompt, static cache (compiled by generate unless `compile` is
     False); each the best of `reps` runs after a warm-up (which compiles), as sparkd's own
