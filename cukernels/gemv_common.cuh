@@ -1,4 +1,4 @@
-// The weight-streaming core of the skinny GEMMs (gemv.cu, gemv_fused.cu):
+// The weight-streaming core of the skinny GEMMs (gemv.cu, gemv_norm.cu):
 // acc [M, kGemvRows] = x [M, K] . w rows [kGemvRows, K], M <= 16, fp32 accumulation.
 //
 // At such M the product is bound by reading w once from DRAM, so the loop is
@@ -154,6 +154,69 @@ __device__ __forceinline__ float block_total(const float (&partial)[kGemvMaxWarp
   float sum = 0.f;
   for (int p = 0; p < blockDim.x / 32; ++p) sum += partial[p][i];
   return sum;
+}
+
+// The w rows of a plain product's row group: rows row0 + r of w [N, K]. The last group's
+// rows past N re-read row N - 1; their sums are never stored.
+template <typename T>
+__device__ __forceinline__ void product_rows(const T* (&w_rows)[kGemvRows], const T* w, int row0, int N, int K) {
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) w_rows[r] = w + static_cast<long long>(min(row0 + r, N - 1)) * K;
+}
+
+// The w rows of a gated MLP's column group: w = [gate | up] [2I, K]; the group owns
+// kGemvRows / 2 output columns col0 + c, whose gate rows col0 + c and up rows I + col0 + c
+// meet in one block. Columns past I re-read the last; they are never stored.
+template <typename T>
+__device__ __forceinline__ void gate_up_rows(const T* (&w_rows)[kGemvRows], const T* w, int col0, int I, int K) {
+  constexpr int kCols = kGemvRows / 2;
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int col = min(col0 + c, I - 1);
+    w_rows[c] = w + static_cast<long long>(col) * K;
+    w_rows[kCols + c] = w + static_cast<long long>(I + col) * K;
+  }
+}
+
+// out[m * ld_out + row0 + r] = the block's sum of acc[m][r] (+ bias[row0 + r]) for rows < N, m < M.
+// Every thread of the block calls it (store_warp_sums holds a barrier).
+template <typename OutT, int kM>
+__device__ __forceinline__ void store_product(OutT* __restrict__ out, const float (&acc)[kM][kGemvRows],
+                                              float (&partial)[kGemvMaxWarps][kM * kGemvRows],
+                                              const OutT* __restrict__ bias, int row0, int M, int N,
+                                              long long ld_out) {
+  store_warp_sums<kM>(acc, partial, M);
+  for (int i = threadIdx.x; i < kM * kGemvRows; i += blockDim.x) {
+    const int m = i / kGemvRows, row = row0 + i % kGemvRows;
+    if (m >= M || row >= N) continue;
+    float sum = block_total<kM>(partial, i);
+    if (bias != nullptr) sum += to_float(bias[row]);
+    out[m * ld_out + row] = from_float<OutT>(sum);
+  }
+}
+
+// out [M, I] columns col0 + c = silu(gate) * up from the block's sums of acc (gate_up_rows'
+// order), bias [2I] or null. Each half is rounded to T first, as linear's output would be,
+// then silu(g) * u is taken in fp32 (activation.cu). Every thread of the block calls it.
+template <typename T, int kM>
+__device__ __forceinline__ void store_silu_and_mul(T* __restrict__ out, const float (&acc)[kM][kGemvRows],
+                                                   float (&partial)[kGemvMaxWarps][kM * kGemvRows],
+                                                   const T* __restrict__ bias, int col0, int M, int I) {
+  constexpr int kCols = kGemvRows / 2;
+  store_warp_sums<kM>(acc, partial, M);
+  for (int i = threadIdx.x; i < kM * kCols; i += blockDim.x) {
+    const int m = i / kCols, c = i % kCols, col = col0 + c;
+    if (m >= M || col >= I) continue;
+    float gate = block_total<kM>(partial, m * kGemvRows + c);
+    float up = block_total<kM>(partial, m * kGemvRows + kCols + c);
+    if (bias != nullptr) {
+      gate += to_float(bias[col]);
+      up += to_float(bias[I + col]);
+    }
+    gate = to_float(from_float<T>(gate));
+    up = to_float(from_float<T>(up));
+    out[static_cast<long long>(m) * I + col] = from_float<T>(gate / (1.f + expf(-gate)) * up);
+  }
 }
 
 }  // namespace sparkd

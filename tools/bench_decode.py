@@ -266,12 +266,15 @@ def run_prefill(model: Model, length: int, reps: int, rng) -> tuple[float, float
     return min(times), statistics.median(times)
 
 
-def measure_ceilings(shape: str) -> tuple[CudaOps, float, float]:
-    """Set up logging and a bf16 CudaOps; measure and print the copy rate (bytes/s) and the
-    bf16 8192^3 GEMM rate (FLOP/s)."""
+def measure_ceilings(shape: str, fused_norms: bool = False) -> tuple[CudaOps, float, float]:
+    """Set up logging and a bf16 CudaOps (with fused_norms, one that runs a one-row step's pre-norms
+    inside the GEMVs); measure and print the copy rate (bytes/s) and the bf16 8192^3 GEMM rate (FLOP/s)."""
     logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
     logging.getLogger("sparkd").setLevel(logging.INFO)  # the KV plan and the graph captures
     ops = CudaOps(dtype="bfloat16")
+    ops.fuse_norms = fused_norms
+    if fused_norms:
+        shape += ", pre-norms inside the GEMVs at batch 1"
     copy_rate = copy_bandwidth(ops.allocator, ops.stream)
     gemm_flops = gemm_rate(ops.gemm, ops.allocator, ops.stream, ops.dtype)
     print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s (read + written), bf16 GEMM 8192^3 "
@@ -317,12 +320,16 @@ def parse_bench_args(description: str, layers: int, steps: int, argv: list[str] 
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="sparkd's share of the GPU; the rest is left to transformers (default %(default)s)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--fused-norms", action="store_true",
+                        help="run a batch-1 step's pre-norms inside the GEMVs after them (gemv_norm.cu), "
+                             "against the default's norm kernels")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_bench_args(__doc__, layers=32, steps=64, argv=argv)
-    ops, copy_rate, gemm_flops = measure_ceilings(f"Llama-3.1-8B shape with {args.layers} layers")
+    ops, copy_rate, gemm_flops = measure_ceilings(f"Llama-3.1-8B shape with {args.layers} layers",
+                                                  args.fused_norms)
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))

@@ -100,7 +100,8 @@ def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilizatio
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_bench_args(__doc__, layers=48, steps=32, argv=argv)
-    ops, copy_rate, gemm_flops = measure_ceilings(f"Qwen3-30B-A3B shape with {args.layers} layers")
+    ops, copy_rate, gemm_flops = measure_ceilings(f"Qwen3-30B-A3B shape with {args.layers} layers",
+                                                  args.fused_norms)
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     rng = np.random.default_rng(0)
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))

@@ -4,7 +4,7 @@
 # nvidia-smi, builds every kernel (which fills the compile cache for the tests), runs the
 # tests in tests/gpu, then the GPU benchmarks. Each step logs to OUTDIR/<step>.log and has
 # a time limit (SIGINT first, so pytest still prints its summary and Python a traceback);
-# the whole check takes about 10-12 minutes on an H200 (the limits add up to more, for a
+# the whole check takes about 13-15 minutes on an H200 (the limits add up to more, for a
 # hung step). A failed or timed-out step does not stop the others, and the script exits
 # non-zero if any failed.
 set -uo pipefail
@@ -86,6 +86,7 @@ if [ "$PART" != models ]; then
     run_step bench_attention_prefill 30 python3 tools/bench_attention_prefill.py
     run_step bench_rope_kv 20 python3 tools/bench_rope_kv.py
     run_step bench_kernels 30 python3 tools/bench_kernels.py
+    run_step bench_gemv_norm 60 python3 tools/bench_gemv_norm.py
     run_step bench_sampling 30 python3 tools/bench_sampling.py
     run_step bench_moe_kernels 30 python3 tools/bench_moe_kernels.py
     run_step bench_moe_routing 20 python3 tools/bench_moe_routing.py
@@ -98,6 +99,9 @@ if [ "$PART" != tests ]; then
     run_step bench_decode 150 python3 tools/bench_decode.py
     # 24 of Qwen3-30B-A3B's 48 layers, so transformers' copy of the weights fits beside sparkd's.
     run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
+    # The A/B of the batch-1 pre-norms inside the GEMVs (off by default until these say it wins).
+    run_step bench_decode_fused_norms 100 python3 tools/bench_decode.py --no-transformers --fused-norms
+    run_step bench_moe_fused_norms 100 python3 tools/bench_moe.py --layers 24 --no-transformers --fused-norms
 fi
 
 cp "$SPARKD_CACHE_DIR"/gemm/*.json "$OUT"/ 2>/dev/null

@@ -133,6 +133,14 @@ class SampledTokens:
     result: Callable[[], SamplerOutput]
 
 
+def pre_norm(ops: "Ops", x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """A decoder sublayer's input norm: (y, residual') as `Ops.add_rmsnorm`, or with no
+    residual (the first layer's) (rmsnorm(x), x)."""
+    if residual is None:
+        return ops.rmsnorm(x, weight, eps), x
+    return ops.add_rmsnorm(x, residual, weight, eps)
+
+
 class Ops(Protocol):
     """Compute backend. Every op is functional unless its name ends in `_`
     or it says it writes a cache."""
@@ -186,6 +194,18 @@ class Ops(Protocol):
         A backend may update `residual` in place and return it as residual'. residual' is
         float32 whatever x's dtype (a bf16 model's residual stream is not rounded between
         layers; `residual` may be x's dtype, the first layer's); y is in x's dtype."""
+
+    def add_rmsnorm_linear(self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                           bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """A pre-norm and the projection after it: (linear(y, weight, bias), residual') with
+        (y, residual') = `add_rmsnorm(x, residual, norm_weight, eps)`, or, with no residual (the
+        first layer), y = rmsnorm(x) and residual' = x. x [T, K], weight [N, K] -> [T, N]. A GPU
+        runs the norm inside the GEMV at one row (`pre_norm` then `linear` is the reference)."""
+
+    def add_rmsnorm_linear_silu_and_mul(self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+                                        weight: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """`add_rmsnorm_linear` with `linear_silu_and_mul` in place of `linear`:
+        weight [gate | up] [2I, K] -> ([T, I], residual')."""
 
     def add_rmsnorm_for_router(self, x: Tensor, residual: Tensor, weight: Tensor,
                                eps: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -42,40 +42,41 @@ class DenseAttention:
         self.qk_norm = ((take(weights, prefix + "q_norm.weight"), take(weights, prefix + "k_norm.weight"),
                          config.rms_norm_eps) if config.qk_norm else None)
 
-    def forward(self, positions: Tensor, hidden_states: Tensor, attn: Any, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
-        """hidden_states [T, H] -> [T, H]; writes this step's K/V into kv_cache."""
+    def forward(self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None, norm_weight: Tensor,
+                attn: Any, kv_cache: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """The layer's input norm (of hidden_states + residual, `norm_weight`), then attention:
+        hidden_states [T, H] -> ([T, H], residual'); writes this step's K/V into kv_cache."""
         ops, config = self.ops, self.config
-        qkv = ops.linear(hidden_states, self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        qkv, residual = ops.add_rmsnorm_linear(hidden_states, residual, norm_weight, config.rms_norm_eps,
+                                               self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
         q, k, v = ops.split_heads(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
         k_cache, v_cache = kv_cache
         attn_output = ops.rope_attention(q, k, v, positions, config.rope, k_cache, v_cache, attn, self.scaling,
                                          self.qk_norm)  # [T, Hq, D]
         attn_output = ops.reshape(attn_output, (q.shape[0], config.num_heads * config.head_dim))
-        return ops.linear(attn_output, self.o_proj, self.o_bias)
+        return ops.linear(attn_output, self.o_proj, self.o_bias), residual
 
 
 class DenseMLP:
-    takes_router_input = False  # takes the normed rows in the model dtype only (see SparseMoeBlock)
-
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
         self.ops = ops
+        self.eps = config.rms_norm_eps
         self.gate_up_proj, self.gate_up_bias = take_linear(weights, prefix + "gate_up_proj", config.mlp_bias)
         self.down_proj, self.down_bias = take_linear(weights, prefix + "down_proj", config.mlp_bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]."""
-        hidden = self.ops.linear_silu_and_mul(x, self.gate_up_proj, self.gate_up_bias)  # [T, I]
-        return self.ops.linear(hidden, self.down_proj, self.down_bias)
+    def forward(self, x: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor]:
+        """The post-attention norm of x + residual, then down(silu(gate(y)) * up(y)): x [T, H] -> ([T, H], residual')."""
+        hidden, residual = self.ops.add_rmsnorm_linear_silu_and_mul(x, residual, norm_weight, self.eps,
+                                                                    self.gate_up_proj, self.gate_up_bias)  # [T, I]
+        return self.ops.linear(hidden, self.down_proj, self.down_bias), residual
 
 
 class DenseDecoderLayer:
-    """`mlp` is the layer's feed-forward block: anything with `forward(x [T, H]) -> [T, H]`,
-    or, where its `takes_router_input` is true, `forward(x, router_input) -> [T, H]` with the
-    rows unrounded beside x (`Ops.add_rmsnorm_for_router`)."""
+    """`mlp` is the layer's feed-forward block: anything with `forward(x [T, H], residual,
+    norm_weight) -> ([T, H], residual')` that norms x + residual itself (the post-attention
+    norm), so a backend may fuse that norm into the block's first GEMM."""
 
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str, mlp: Any):
-        self.ops = ops
-        self.eps = config.rms_norm_eps
         self.input_layernorm = take(weights, prefix + "input_layernorm.weight")
         self.self_attn = DenseAttention(config, ops, weights, prefix + "self_attn.")
         self.post_attention_layernorm = take(weights, prefix + "post_attention_layernorm.weight")
@@ -85,19 +86,11 @@ class DenseDecoderLayer:
         self, positions: Tensor, hidden_states: Tensor, residual: Tensor | None, attn: Any, kv_cache: tuple[Tensor, Tensor]
     ) -> tuple[Tensor, Tensor]:
         """The residual add is deferred into the next norm (`add_rmsnorm`), so a layer
-        returns (its sublayer output, the residual stream before adding it)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.ops.rmsnorm(hidden_states, self.input_layernorm, self.eps)
-        else:
-            hidden_states, residual = self.ops.add_rmsnorm(hidden_states, residual, self.input_layernorm, self.eps)
-        hidden_states = self.self_attn.forward(positions, hidden_states, attn, kv_cache)
-        if self.mlp.takes_router_input:
-            hidden_states, router_input, residual = self.ops.add_rmsnorm_for_router(
-                hidden_states, residual, self.post_attention_layernorm, self.eps)
-            return self.mlp.forward(hidden_states, router_input), residual
-        hidden_states, residual = self.ops.add_rmsnorm(hidden_states, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp.forward(hidden_states), residual
+        returns (its sublayer output, the residual stream before adding it); residual is
+        None at the first layer."""
+        hidden_states, residual = self.self_attn.forward(positions, hidden_states, residual, self.input_layernorm, attn,
+                                                         kv_cache)
+        return self.mlp.forward(hidden_states, residual, self.post_attention_layernorm)
 
 
 class DenseForCausalLM:

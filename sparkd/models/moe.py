@@ -42,10 +42,9 @@ class SparseMoeBlock:
     point of top-1 agreement with fp32). The backend says how it holds those rows and the
     router weight (`Ops.add_rmsnorm_for_router`, `Ops.router_weight`)."""
 
-    takes_router_input = True
-
     def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str):
         self.ops = ops
+        self.eps = config.rms_norm_eps
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         num_experts, hidden, intermediate = config.num_experts, config.hidden_size, config.moe_intermediate_size
@@ -54,12 +53,13 @@ class SparseMoeBlock:
         self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (num_experts, 2 * intermediate, hidden))
         self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (num_experts, hidden, intermediate))
 
-    def forward(self, x: Tensor, router_input: Tensor) -> Tensor:
-        """x [T, H] (model dtype), router_input (the same rows unrounded, from
-        `Ops.add_rmsnorm_for_router`) -> sum over each token's k experts of weight * expert(x),
-        [T, H]: `Ops.sparse_moe`."""
-        return self.ops.sparse_moe(x, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
-                                   self.renormalize)
+    def forward(self, x: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor]:
+        """The post-attention norm of x + residual, kept unrounded beside the rows for the router
+        (`Ops.add_rmsnorm_for_router`), then `Ops.sparse_moe`: the sum over each token's k experts
+        of weight * expert(y). x [T, H] -> ([T, H], residual')."""
+        y, router_input, residual = self.ops.add_rmsnorm_for_router(x, residual, norm_weight, self.eps)
+        return self.ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                                   self.renormalize), residual
 
 
 class MoeForCausalLM(DenseForCausalLM):

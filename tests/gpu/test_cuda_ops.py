@@ -114,6 +114,58 @@ def test_decode_graphs_replay_the_eager_logits(model_pair):
         runner.close()
 
 
+def test_one_sequence_decodes_with_the_norms_inside_gemv(model_pair, monkeypatch):
+    """With a GEMM table that gives every product of the model to gemv at one row, a decode step
+    of one sequence runs each pre-norm inside the GEMV after it (gemv_norm), eagerly and replayed
+    from a graph, and its logits still match the CPU backend's."""
+    from oracle import step_inputs
+
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+    from sparkd.backend.cuda.gemm_table import GemmTable, Measurement, ShapeKey
+    from sparkd.backend.cuda.kernels import gemv_norm
+
+    cpu, gpu = model_pair
+    ops = gpu.ops
+    matrices = [m for layer in gpu.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [gpu.lm_head]
+    table = GemmTable("test", "sm_00", entries={ShapeKey(*w.shape, w.dtype.name, 1): Measurement(0.1, 0.9)
+                                                for w in matrices})
+    monkeypatch.setattr(ops.gemm, "table", table)
+    monkeypatch.setattr(ops, "fuse_norms", True)
+    launches = []
+    for name in ("gemv_norm", "gemv_norm_silu_and_mul"):
+        launcher = getattr(gemv_norm, name)
+        monkeypatch.setattr(gemv_norm, name, lambda *a, launcher=launcher, **kw: (launches.append(1), launcher(*a, **kw)))
+
+    sequence = prompts([11], cpu.config.vocab_size, seed=3)
+    cpu_caches, gpu_caches = kv_caches(cpu, 1), kv_caches(gpu, 1)
+    step_logits(cpu, cpu_caches, sequence)
+    step_logits(gpu, gpu_caches, sequence)
+    assert not launches, "a prompt of 11 tokens takes the unfused ops"
+    cached = [len(sequence[0])]
+    sequence = [sequence[0] + [5]]
+    assert_rows_close(step_logits(gpu, gpu_caches, sequence, cached), step_logits(cpu, cpu_caches, sequence, cached),
+                      MODEL_RTOL)
+    assert len(launches) == 2 * len(gpu.layers), "one fused launch per pre-norm"
+    runner = DecodeGraphRunner(ops, max_batch_size=1, max_blocks_per_seq=BLOCKS_PER_SEQ,
+                               max_seq_len=BLOCK_SIZE * BLOCKS_PER_SEQ)
+
+    def forward(inputs):
+        hidden = gpu.forward(inputs.token_ids, inputs.positions, inputs.attn, gpu_caches)
+        return gpu.compute_logits(hidden, inputs.logits_indices)
+
+    try:
+        for token in (9, 2, 14):  # warm-up + capture, then replays with new inputs
+            cached = [len(sequence[0])]
+            sequence = [sequence[0] + [token]]
+            step = step_inputs(sequence, cached, block_size=BLOCK_SIZE, blocks_per_seq=BLOCKS_PER_SEQ)
+            logits = ops.download(runner.run(forward, step.token_ids, step.positions, step.meta))
+            assert_rows_close(logits, step_logits(cpu, cpu_caches, sequence, cached), MODEL_RTOL)
+        assert runner._slots[1].graph is not None
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_glue_ops_match_numpy(cuda_ops_factory, rel_error, tolerance, dtype):
     from sparkd.backend.cpu.ops import NumpyOps

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors
+from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, pre_norm
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from .moe import moe_experts, moe_route, silu_and_mul
 from .sampler import sample
@@ -60,6 +60,17 @@ class NumpyOps:
     ) -> tuple[np.ndarray, np.ndarray]:
         residual = x + residual
         return self.rmsnorm(residual, weight, eps), residual
+
+    def add_rmsnorm_linear(self, x: np.ndarray, residual: np.ndarray | None, norm_weight: np.ndarray, eps: float,
+                           weight: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        y, residual = pre_norm(self, x, residual, norm_weight, eps)
+        return self.linear(y, weight, bias), residual
+
+    def add_rmsnorm_linear_silu_and_mul(self, x: np.ndarray, residual: np.ndarray | None, norm_weight: np.ndarray,
+                                        eps: float, weight: np.ndarray,
+                                        bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        y, residual = pre_norm(self, x, residual, norm_weight, eps)
+        return self.linear_silu_and_mul(y, weight, bias), residual
 
     def add_rmsnorm_for_router(
         self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float

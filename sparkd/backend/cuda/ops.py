@@ -17,15 +17,15 @@ from typing import Callable, Sequence
 import numpy as np
 from cuda.bindings import driver
 
-from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors
+from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, pre_norm
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
 from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
-from .kernels import (activation, attention, attention_prefill_wgmma, elementwise, embedding, fault, gemv, moe_gemm, moe_grouped_gemm,
-                      moe_grouped_wgmma, moe_router, moe_routing, norm, rope_kv, sampling)
+from .kernels import (activation, attention, attention_prefill_wgmma, elementwise, embedding, fault, gemv, gemv_norm,
+                      moe_gemm, moe_grouped_gemm, moe_grouped_wgmma, moe_router, moe_routing, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
@@ -52,6 +52,10 @@ class CudaOps:
         self.gemm = Gemm(self.allocator, self.stream)
         self._rope_tables: dict[tuple, DeviceTensor] = {}
         self._inject_fault = fault.fault_requested()
+        # True runs a one-row step's pre-norms inside the GEMV after each (_pre_norm_product). Off
+        # until it is measured on a GPU: it was written in a session that had none, and
+        # `tools/bench_decode.py --fused-norms` against the default is the A/B that decides.
+        self.fuse_norms = False
         log.info("CUDA backend on %s (%s, %d SMs, %.1f GiB), dtype %s", self.device.name, self.device.arch,
                  self.device.sm_count, self.device.total_memory / 2**30, self.dtype.name)
 
@@ -163,6 +167,33 @@ class CudaOps:
         residual_out = self._residual_out(x, residual)
         norm.add_rmsnorm(out, residual_out, residual, x, weight, eps, self.stream)
         return out, residual_out
+
+    def add_rmsnorm_linear(self, x: DeviceTensor, residual: DeviceTensor | None, norm_weight: DeviceTensor, eps: float,
+                           weight: DeviceTensor, bias: DeviceTensor | None = None) -> tuple[DeviceTensor, DeviceTensor]:
+        return self._pre_norm_product(x, residual, norm_weight, eps, weight, bias, gated=False)
+
+    def add_rmsnorm_linear_silu_and_mul(self, x: DeviceTensor, residual: DeviceTensor | None,
+                                        norm_weight: DeviceTensor, eps: float, weight: DeviceTensor,
+                                        bias: DeviceTensor | None = None) -> tuple[DeviceTensor, DeviceTensor]:
+        return self._pre_norm_product(x, residual, norm_weight, eps, weight, bias, gated=True)
+
+    def _pre_norm_product(self, x: DeviceTensor, residual: DeviceTensor | None, norm_weight: DeviceTensor,
+                          eps: float, weight: DeviceTensor, bias: DeviceTensor | None,
+                          gated: bool) -> tuple[DeviceTensor, DeviceTensor]:
+        """The norm inside the GEMV, one gemv_norm launch, at one row where the table picks gemv for
+        the product (the fused kernel is gemv's loop) and the operands suit it; else `pre_norm`,
+        then `linear` (gated: `linear_silu_and_mul`). The fused residual' is a fresh fp32 buffer:
+        the kernel's other blocks still read the residual, so it is not updated in place."""
+        fuses = (self.fuse_norms and x.ndim == 2 and x.shape[0] == 1 and self.gemm.picks_gemv(x, weight)
+                 and gemv_norm.unsupported_reason(x, residual, norm_weight, weight) is None)
+        if not fuses:
+            y, residual = pre_norm(self, x, residual, norm_weight, eps)
+            return (self.linear_silu_and_mul if gated else self.linear)(y, weight, bias), residual
+        out = self.allocator.empty((1, weight.shape[0] // 2 if gated else weight.shape[0]), x.dtype)
+        residual_out = None if residual is None else self.allocator.empty(x.shape, DType.float32)
+        launch = gemv_norm.gemv_norm_silu_and_mul if gated else gemv_norm.gemv_norm
+        launch(out, residual_out, x, residual, norm_weight, eps, weight, bias, self.stream)
+        return out, x if residual_out is None else residual_out
 
     def add_rmsnorm_for_router(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
                                eps: float) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:

@@ -5,7 +5,7 @@ Each module exposes `SPECS` (every template instantiation it may launch, which
 their preconditions, pick the instantiation and grid, and enqueue on a stream.
 Outputs are passed in preallocated, so launches can be captured in CUDA graphs.
 
-Modules: activation, attention, embedding, gemv, moe_gemm, moe_grouped_gemm,
+Modules: activation, attention, embedding, gemv, gemv_norm, moe_gemm, moe_grouped_gemm,
 moe_grouped_wgmma, moe_router, moe_routing, norm, rope_kv, sampling (plus elementwise, owned by the
 runtime; fault, a test-only trap; and attention_plan, attention's decode split plan,
 which launches nothing and has no SPECS).
@@ -69,6 +69,11 @@ def require_contiguous(name: str, tensor: DeviceTensor) -> None:
 def row_stride(t: DeviceTensor) -> int:
     """Elements between the rows of a 2-D operand a kernel walks; a single row has none to honour."""
     return t.row_stride if t.shape[0] > 1 else t.shape[1]
+
+
+def overlaps(a: DeviceTensor, b: DeviceTensor) -> bool:
+    """Whether the bytes a and b span share an address (their extents, strides aside)."""
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
 def round_up(value: int, multiple: int) -> int:

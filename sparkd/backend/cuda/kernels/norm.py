@@ -12,6 +12,7 @@ from ..tensor import DeviceTensor
 from . import (
     ELEMENT_TYPES,
     i32,
+    overlaps,
     require,
     require_contiguous,
     require_dtype,
@@ -77,7 +78,7 @@ def add_rmsnorm(out: DeviceTensor, residual_out: DeviceTensor, residual: DeviceT
             f"residual must be {x.shape} in {x.dtype.name} or float32, got {residual.shape} {residual.dtype.name}")
     require(residual_out.shape == x.shape and residual_out.dtype is DType.float32,
             f"residual_out must be {x.shape} float32, got {residual_out.shape} {residual_out.dtype.name}")
-    require(residual_out.ptr == residual.ptr or not _overlap(residual_out, residual),
+    require(residual_out.ptr == residual.ptr or not overlaps(residual_out, residual),
             "residual_out must be the residual itself or not overlap it")
     for name, tensor in (("x", x), ("residual", residual), ("residual_out", residual_out)):
         require_contiguous(name, tensor)
@@ -108,10 +109,6 @@ def _overlap_rows(a: DeviceTensor, b: DeviceTensor, dim: int, row_stride: int) -
         return abs(b.ptr - a.ptr) < size
     offset = (b.ptr - a.ptr) % pitch  # where b's rows start within a's row pitch
     return offset < size or offset > pitch - size
-
-
-def _overlap(a: DeviceTensor, b: DeviceTensor) -> bool:
-    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
 def _check_operands(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, shape: tuple,
