@@ -37,7 +37,7 @@ from cuda.bindings import driver  # noqa: E402
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
 from sparkd.backend.cuda.driver import call  # noqa: E402
 from sparkd.backend.cuda.kernels import attention, attention_plan, rope_kv  # noqa: E402
-from sparkd.backend.cuda.ops import rope_cos_sin  # noqa: E402
+from sparkd.backend.cuda.kernels.rope_kv import rope_cos_sin  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
 from sparkd.models.config import rope_config  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph
 
 from sparkd.backend.cuda.kernels import rope_kv
-from sparkd.backend.cuda.ops import rope_cos_sin
+from sparkd.backend.cuda.kernels.rope_kv import rope_cos_sin
 from sparkd.backend.dtypes import DType
 from sparkd.models.config import rope_config
 

@@ -34,7 +34,7 @@ from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa
 from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.kernels import rope_kv  # noqa: E402
 from sparkd.backend.cuda.kernels.attention_plan import AttentionSizes, DecodePlan, plan_decode  # noqa: E402
-from sparkd.backend.cuda.ops import rope_cos_sin  # noqa: E402
+from sparkd.backend.cuda.kernels.rope_kv import rope_cos_sin  # noqa: E402
 from sparkd.backend.cuda.transfer import copy_to_device, decode, encode  # noqa: E402
 
 EPS = 1e-6

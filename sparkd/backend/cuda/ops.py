@@ -412,12 +412,6 @@ class CudaOps:
         table = self._rope_tables.get(key)
         if table is None or table.shape[0] < max_seq_len:
             num_positions = max(_MIN_ROPE_POSITIONS, 1 << max(max_seq_len - 1, 1).bit_length())
-            table = self.upload(rope_cos_sin(rope, num_positions))
+            table = self.upload(rope_kv.rope_cos_sin(rope, num_positions))
             self._rope_tables[key] = table
         return table
-
-
-def rope_cos_sin(rope: RopeConfig, num_positions: int) -> np.ndarray:
-    """[num_positions, rotary_dim] float32: cos(p * inv_freq) | sin(p * inv_freq), times attention_scaling."""
-    angles = np.arange(num_positions, dtype=np.float64)[:, None] * np.asarray(rope.inv_freq, np.float64)[None, :]
-    return (np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * rope.attention_scaling).astype(np.float32)

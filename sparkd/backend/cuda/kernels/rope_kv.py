@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...base import RopeConfig
 from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
@@ -26,6 +27,13 @@ MAX_HEAD_DIM = 256  # kRopeMaxHeadDim: a thread holds its chunks of a head in re
 # or 4 (split: full rotary with as many vectors in a head as lanes).
 _PLAIN, _SPLIT = 1, 4
 QKNorm = tuple[DeviceTensor, DeviceTensor, float]  # (q_norm [D], k_norm [D], eps)
+
+
+def rope_cos_sin(rope: RopeConfig, num_positions: int) -> np.ndarray:
+    """The kernels' rotation table, [num_positions, rotary_dim] float32: cos(p * inv_freq) |
+    sin(p * inv_freq), times attention_scaling."""
+    angles = np.arange(num_positions, dtype=np.float64)[:, None] * np.asarray(rope.inv_freq, np.float64)[None, :]
+    return (np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * rope.attention_scaling).astype(np.float32)
 
 
 def _kernel_name(dtype: DType, width: int, lanes_per_thread: int) -> str:
