@@ -25,8 +25,10 @@ from sparkd.backend.base import AttentionMetadata
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                "Qwen3NextForCausalLM": "qwen3_next"}
 
 TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=384,
@@ -96,6 +98,17 @@ def tiny_moe_overrides(arch: str, **overrides: Any) -> dict[str, Any]:
     mix-up of the two shows; `overrides` win."""
     experts = dict(num_experts=8, moe_intermediate_size=48) if arch == "Qwen3MoeForCausalLM" else dict(num_local_experts=8)
     return {**experts, "num_experts_per_tok": 2, **overrides}
+
+
+def tiny_hybrid_overrides(**overrides: Any) -> dict[str, Any]:
+    """`make_tiny_checkpoint` overrides for a tiny Qwen3-Next: 4 layers in the 3:1 pattern (three
+    gated delta nets, then gated attention), 2 key heads of 16 and 4 value heads of 24 in the
+    delta nets (so that dk != dv and Hv != Hk show), partial rotary over a quarter of head_dim
+    32, 8 experts of 48 with 2 per token and a shared expert of 40; `overrides` win."""
+    return {"num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 24, "linear_conv_kernel_dim": 4, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 40,
+            "norm_topk_prob": True, **overrides}
 
 
 def save_fused_experts_checkpoint(model: transformers.PreTrainedModel, directory: str | Path) -> Path:

@@ -110,7 +110,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             block_ids = []
             lookup = self.pool.lookup
-            for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+            for block_hash in self.block_hashes(request, max_blocks)[:max_blocks]:
                 block_id = lookup(block_hash)
                 if block_id is None:
                     break
@@ -166,7 +166,7 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[request_id]
         if num_full <= num_cached:
             return
-        hashes = self._block_hashes(request, num_full)
+        hashes = self.block_hashes(request, num_full)
         table = self.block_tables[request_id]
         for i in range(num_cached, num_full):
             self.pool.cache(table[i], hashes[i])
@@ -190,7 +190,7 @@ class KVCacheManager:
         held = Counter(block_id for table in self.block_tables.values() for block_id in table)
         self.pool.check_integrity(held)
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """request.block_hashes, extended to cover at least its first `num_blocks` full blocks."""
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:

@@ -46,6 +46,8 @@ _GiB = float(1 << 30)
 # sampler's staging, the decode graphs' scratch.
 _FIXED_RESERVE_BYTES = 1 << 30
 _ALLOCATOR_ROUNDING = 1.25  # the caching allocator's size classes waste at most 25%
+# Hybrid models: linear-attention state snapshots the prefix cache keeps, per sequence that can run.
+_SNAPSHOTS_PER_SEQUENCE = 4
 
 
 @dataclass
@@ -104,13 +106,19 @@ class LLMEngine:
         self.model_name = loaded.name
         self.model_config = cfg = self.model.config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        hybrid = bool(cfg.linear_attention_layers)
+        if hybrid and self.ops.name != "cpu":
+            raise ValueError(f"{cfg.architecture}'s gated delta net layers have no {self.ops.name} kernels yet: "
+                             "serve it with --device cpu")
         num_blocks = args.num_gpu_blocks_override or self._num_kv_blocks()
         log.info("model %s on %s: %d KV blocks of %d tokens (%.2f GiB)", loaded.source, self.ops.name, num_blocks,
                  args.block_size, num_blocks * self._kv_block_bytes() / _GiB)
-        kv_caches = self.ops.allocate_kv_cache(cfg.num_layers, num_blocks, args.block_size, cfg.num_kv_heads,
-                                               cfg.head_dim)
-        self.runner = ModelRunner(self.model, self.ops, kv_caches, args.block_size, args.max_num_seqs,
-                                  self.max_model_len)
+        # A hybrid model's linear-attention state: one slot per sequence that can run at once, then
+        # the prefix cache's snapshots of it (StateSnapshots).
+        num_state_slots = args.max_num_seqs if hybrid else 0
+        num_snapshots = _SNAPSHOTS_PER_SEQUENCE * args.max_num_seqs if hybrid and args.enable_prefix_caching else 0
+        self.runner = ModelRunner(self.model, self.ops, self._allocate_caches(num_blocks, num_state_slots + num_snapshots),
+                                  args.block_size, args.max_num_seqs, self.max_model_len)
         self.ops.load_kernels(progress)
         if args.capture_graphs_at_startup and self.runner.decode_graphs is not None:
             if progress is not None:
@@ -125,6 +133,8 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=args.block_size,
             enable_prefix_caching=args.enable_prefix_caching,
+            num_state_slots=num_state_slots,
+            num_state_snapshots=num_snapshots,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         eos = set(cfg.eos_token_ids)
@@ -137,9 +147,27 @@ class LLMEngine:
         self.generation_tokens_total = 0
 
     def _kv_block_bytes(self) -> int:
-        """K and V of one block over all layers, in the backend's dtype."""
+        """K and V of one block over the attention layers, in the backend's dtype."""
         cfg = self.model_config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * self.args.block_size * cfg.head_dim * self.ops.dtype.itemsize
+        return (2 * len(cfg.attention_layers) * cfg.num_kv_heads * self.args.block_size * cfg.head_dim
+                * self.ops.dtype.itemsize)
+
+    def _allocate_caches(self, num_blocks: int, num_state_slots: int) -> list:
+        """Per layer, its (k_cache, v_cache), or for a linear-attention layer its (conv_state,
+        recurrent_state) with num_state_slots slots (the running sequences', then the snapshots')."""
+        cfg, ops = self.model_config, self.ops
+        kv = iter(ops.allocate_kv_cache(len(cfg.attention_layers), num_blocks, self.args.block_size, cfg.num_kv_heads,
+                                        cfg.head_dim))
+        states = iter([])
+        if cfg.linear_attention_layers:
+            shape = cfg.delta_net_shape
+            states = iter(ops.allocate_linear_attention_state(len(cfg.linear_attention_layers), num_state_slots,
+                                                              shape.conv_dim, cfg.linear_conv_kernel_dim,
+                                                              shape.num_v_heads, shape.k_dim, shape.v_dim))
+            log.info("linear-attention state: %d slots of %.1f MiB", num_state_slots,
+                     len(cfg.linear_attention_layers) * 4 * (shape.conv_dim * (cfg.linear_conv_kernel_dim - 1)
+                                                             + shape.num_v_heads * shape.k_dim * shape.v_dim) / 2**20)
+        return [next(states) if cfg.is_linear_attention_layer(i) else next(kv) for i in range(cfg.num_layers)]
 
     def _num_kv_blocks(self) -> int:
         args = self.args

@@ -69,8 +69,10 @@ class StepInputs:
         return self.attn.is_decode_only and len(self.sample_rows) == self.attn.num_seqs
 
 
-def prepare_inputs(scheduled, block_table: PersistentBlockTable, block_size: int) -> StepInputs:
-    """Flatten `scheduled` (a list of ScheduledSequence) into StepInputs."""
+def prepare_inputs(scheduled, block_table: PersistentBlockTable, block_size: int,
+                   with_state_slots: bool = False) -> StepInputs:
+    """Flatten `scheduled` (a list of ScheduledSequence) into StepInputs; with_state_slots (a
+    hybrid model) also each sequence's state slot."""
     num_seqs = len(scheduled)
     # One pass gathers Python ints; numpy then builds each array at once (numpy's
     # per-element access costs more than the list appends).
@@ -122,6 +124,9 @@ def prepare_inputs(scheduled, block_table: PersistentBlockTable, block_size: int
         slot_mapping=slot_mapping(block_tables, seq_of_token, positions, block_size),
         max_query_len=max(num_new),
         max_seq_len=int(seq_lens.max()),
+        state_slots=np.array([s.request.state_slot for s in scheduled], np.int32) if with_state_slots else None,
+        state_snapshots=np.array([(b, n, slot) for b, s in enumerate(scheduled) for n, slot in s.state_snapshots],
+                                 np.int32).reshape(-1, 3) if with_state_slots else None,
     )
     logits_indices = (query_start_loc[1:][sample_rows] - 1).astype(np.int32)
     return StepInputs(np.array(tokens, np.int32), positions, attn, sample_rows, logits_indices,
@@ -148,10 +153,14 @@ class ModelRunner:
     """Owns the model, its KV caches and the backend for the engine."""
 
     def __init__(self, model, ops: Ops, kv_caches, block_size: int, max_num_seqs: int, max_model_len: int):
+        """kv_caches: per layer, its (k_cache, v_cache), or a linear-attention layer's state
+        (then every step passes each sequence's state slot)."""
         self.model = model
         self.ops = ops
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.uses_state_slots = bool(model.config.linear_attention_layers)
+        self.states = [kv_caches[i] for i in model.config.linear_attention_layers]
         max_blocks_per_seq = -(-max_model_len // block_size)
         # Finished requests release their rows lazily, so allow some slack over max_num_seqs.
         self.block_table = PersistentBlockTable(2 * max_num_seqs, max_blocks_per_seq)
@@ -170,11 +179,14 @@ class ModelRunner:
         with nvtx_range("prepare"):
             for request in output.preempted:
                 self.block_table.release(request)
-            inputs = prepare_inputs(scheduled, self.block_table, self.block_size)
+            inputs = prepare_inputs(scheduled, self.block_table, self.block_size, self.uses_state_slots)
             samplers = [scheduled[i].request for i in inputs.sample_rows]
             sampling = self.sampling_batch.tensors(samplers) if samplers else None
             fill = self._drawn_token_fill(inputs, previous)
         with nvtx_range("forward"):
+            if output.state_restores:  # hybrid prefix-cache hits start from their snapshots
+                src, dst = np.array(output.state_restores, np.int32).T
+                self.ops.copy_state_slots_(self.states, src, dst)
             logits = self._forward(inputs, fill)
         drawn = None
         if logits is not None:

@@ -63,6 +63,8 @@ class Request:
     # Mixed into every block hash: requests that differ here never share KV (e.g. a LoRA id).
     block_hash_extra_keys: tuple = ()
     block_hashes: list[bytes] = field(default_factory=list)
+    # Hybrid models: its slot in the linear-attention state pool while it runs (StateSlotPool).
+    state_slot: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager, PrefixCacheStats
 from .outputs import TokenLogprob
 from .request import Request, RequestStatus
+from .state_pool import StateSlotPool
+from .state_snapshots import DEFAULT_INTERVAL_BLOCKS, StateSnapshots, boundaries_to_snapshot
 
 
 @dataclass(slots=True)
@@ -39,6 +41,8 @@ class ScheduledSequence:
     block_ids: list[int]
     start: int
     draws: bool
+    # Hybrid prefix caching: (n, slot) copies the state after the chunk's first n tokens to a snapshot slot.
+    state_snapshots: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -46,6 +50,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     num_batched_tokens: int
     preempted: list[Request]  # lost their blocks this step; the runner drops their state
+    # Hybrid prefix-cache hits: (snapshot slot, request slot) state copies to run before the step.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _arrival_time(request: Request) -> float:
@@ -61,7 +67,14 @@ class Scheduler:
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+                 num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0, snapshot_interval_blocks: int = DEFAULT_INTERVAL_BLOCKS):
+        """num_state_slots: a hybrid model's linear-attention state pool (0: none); each running
+        request then holds one of its first num_state_slots slots. A prefix-cache hit also needs
+        the state at its end: with prefix caching, the num_state_snapshots slots after those hold
+        snapshots (StateSnapshots, taken every snapshot_interval_blocks blocks of a prompt and at
+        its last full block), and a hit keeps the longest prefix that has one; without, a hybrid
+        request never starts from blocks it did not compute (n > 1 siblings compute their own)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len), ("num_blocks", num_blocks),
                             ("block_size", block_size)):
@@ -71,6 +84,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots else None
+        self.state_snapshots = (StateSnapshots(num_state_slots, num_state_snapshots)
+                                if num_state_slots and num_state_snapshots and enable_prefix_caching else None)
+        self.snapshot_interval_blocks = snapshot_interval_blocks
         # A sequence stops at the pool's size too, so one alone always fits and
         # preemption can never livelock.
         self._max_sequence_len = min(max_model_len, num_blocks * block_size)
@@ -132,6 +149,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
+        restores: list[tuple[int, int]] = []
         kv = self.kv
         running = self.running
         i = 0
@@ -158,14 +176,17 @@ class Scheduler:
             i += 1
         # As in vLLM: a step that had to preempt admits nobody new.
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+            budget = self._admit_waiting(budget, scheduled, restores)
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, restores)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence], restores: list[tuple[int, int]]) -> int:
         """Move waiting requests to running, first come first served, while budget,
-        seats and blocks last. Returns the budget left."""
+        seats and blocks last (and state slots, for a hybrid model, whose hits add their
+        state copies to `restores`). Returns the budget left."""
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        state_slots = self.state_slots
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and (state_slots is None or state_slots.num_free)):
             request = self.waiting.popleft()
             leader = self._group_leaders.get(request.group_id) if request.group_id is not None else None
             if leader is request:
@@ -175,12 +196,21 @@ class Scheduler:
                 # or for the first sibling's prompt, whose blocks it then shares.
                 skipped.append(request)
                 continue
-            computed_block_ids, num_computed = self.kv.get_computed_blocks(request, share_from=leader)
+            snapshot = None
+            if state_slots is None:
+                computed_block_ids, num_computed = self.kv.get_computed_blocks(request, share_from=leader)
+            else:
+                computed_block_ids, snapshot = self._snapshot_hit(request)
+                num_computed = len(computed_block_ids) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             block_ids = self.kv.allocate_slots(request, num_new, computed_block_ids)
             if block_ids is None:
                 self.waiting.appendleft(request)
                 break
+            if state_slots is not None:
+                state_slots.allocate(request)
+                if snapshot is not None:
+                    restores.append((snapshot, request.state_slot))
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
@@ -191,15 +221,39 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    @staticmethod
-    def _schedule(request: Request, num_new: int, block_ids: list[int]) -> ScheduledSequence:
+    def _snapshot_hit(self, request: Request) -> tuple[list[int], int | None]:
+        """A hybrid request's hit: the longest run of its cached prompt blocks whose last block
+        has a state snapshot, and that snapshot's slot; ([], None) when there is none."""
+        if self.state_snapshots is None:
+            return [], None
+        block_ids, _ = self.kv.get_computed_blocks(request)
+        hashes = request.block_hashes
+        for num_blocks in range(len(block_ids), 0, -1):
+            slot = self.state_snapshots.lookup(hashes[num_blocks - 1])
+            if slot is not None:
+                return block_ids[:num_blocks], slot
+        return [], None
+
+    def _schedule(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledSequence:
         """Count the tokens as computed; a chunk that reaches the end draws a token."""
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
         draws = request.num_computed_tokens == request.num_scheduled_tokens
         if draws:
             request.num_output_placeholders += 1
-        return ScheduledSequence(request, num_new, block_ids, start, draws)
+        snapshots = self._plan_snapshots(request, start, num_new) if self.state_snapshots is not None else ()
+        return ScheduledSequence(request, num_new, block_ids, start, draws, snapshots)
+
+    def _plan_snapshots(self, request: Request, start: int, num_new: int) -> tuple[tuple[int, int], ...]:
+        """The snapshots a prompt chunk [start, start + num_new) writes: (tokens into the chunk, slot)."""
+        block_size = self.kv.block_size
+        boundaries = [b for b in boundaries_to_snapshot(request.num_prompt_tokens, block_size,
+                                                        self.snapshot_interval_blocks) if start < b <= start + num_new]
+        if not boundaries:
+            return ()
+        hashes = self.kv.block_hashes(request, boundaries[-1] // block_size)
+        planned = ((b - start, self.state_snapshots.reserve(hashes[b // block_size - 1])) for b in boundaries)
+        return tuple((offset, slot) for offset, slot in planned if slot is not None)
 
     def _stops_by_length(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the longest sequence: it ends when they land."""
@@ -211,7 +265,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: free its blocks and put it at the front of the queue."""
-        self.kv.free(request)
+        self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -287,9 +341,15 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, status)
 
+    def _release(self, request: Request) -> None:
+        """Free the request's blocks and its state slot."""
+        self.kv.free(request)
+        if self.state_slots is not None:
+            self.state_slots.free(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        self._release(request)
         del self.requests[request.request_id]
         if request.group_id is not None and self._group_leaders.get(request.group_id) is request:
             del self._group_leaders[request.group_id]
@@ -320,3 +380,7 @@ class Scheduler:
         if problems:
             raise RuntimeError("scheduler is inconsistent: " + "; ".join(problems))
         self.kv.check_integrity()
+        if self.state_slots is not None:
+            self.state_slots.check_integrity(self.running)
+        if self.state_snapshots is not None:
+            self.state_snapshots.check_integrity()

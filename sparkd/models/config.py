@@ -14,11 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from ..backend.base import RopeConfig
+from ..backend.base import DeltaNetShape, RopeConfig
 
 # Traits the HF modeling files hard-code instead of reading from the config.
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
-_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
+_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"}
+# Qwen3-Next: RMSNorm weights stored as w with (1 + w) applied, and attention's output gated
+# by a second half of q_proj.
+_HYBRID = {"Qwen3NextForCausalLM"}
 _ALWAYS_RENORMALIZE_TOPK = {"MixtralForCausalLM"}
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -54,10 +57,41 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+    shared_expert_intermediate_size: int = 0  # Qwen3-Next: a dense expert beside the routed ones, 0: none
+    # Hybrid models (Qwen3-Next): "linear_attention" (a gated delta net) or "full_attention" per
+    # layer; empty: every layer is full attention.
+    layer_types: list[str] = field(default_factory=list)
+    zero_centered_norms: bool = False  # RMSNorm weights w applied as (1 + w)
+    attention_output_gate: bool = False  # q_proj also yields a per-head gate: o = attn * sigmoid(gate)
+    linear_num_key_heads: int = 0  # Hk of the gated delta net
+    linear_num_value_heads: int = 0  # Hv (a multiple of Hk)
+    linear_key_head_dim: int = 0  # dk
+    linear_value_head_dim: int = 0  # dv
+    linear_conv_kernel_dim: int = 0  # the depthwise causal conv's width
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` has a sparse MoE block rather than a dense MLP (transformers' rule)."""
         return self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+    def is_linear_attention_layer(self, index: int) -> bool:
+        """Whether layer `index` mixes tokens by a gated delta net (per-sequence state) rather than attention."""
+        return bool(self.layer_types) and self.layer_types[index] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged cache."""
+        return [i for i in range(self.num_layers) if not self.is_linear_attention_layer(i)]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        """The layers that keep a per-sequence state (conv window + recurrent state) instead."""
+        return [i for i in range(self.num_layers) if self.is_linear_attention_layer(i)]
+
+    @property
+    def delta_net_shape(self) -> DeltaNetShape:
+        """The head counts and sizes of the linear-attention layers' gated delta nets."""
+        return DeltaNetShape(self.linear_num_key_heads, self.linear_key_head_dim, self.linear_num_value_heads,
+                             self.linear_value_head_dim)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -97,6 +131,7 @@ class ModelConfig:
             bos_token_id=generation.get("bos_token_id", hf.get("bos_token_id")),
             dtype=hf.get("dtype") or hf.get("torch_dtype"),
             **_moe_fields(hf, architecture),
+            **_hybrid_fields(hf, architecture),
         )
 
 
@@ -170,6 +205,36 @@ def _moe_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
         norm_topk_prob=architecture in _ALWAYS_RENORMALIZE_TOPK or bool(hf.get("norm_topk_prob", False)),
         decoder_sparse_step=sparse_step,
         mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+    )
+
+
+def _hybrid_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Qwen3-Next's fields of ModelConfig (layer types as transformers derives them when the
+    config lists none: every `full_attention_interval`-th layer is full attention); {} otherwise."""
+    if architecture not in _HYBRID:
+        return {}
+    num_layers = hf["num_hidden_layers"]
+    layer_types = list(hf.get("layer_types") or [])
+    if not layer_types:
+        interval = hf.get("full_attention_interval", 4)
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or set(layer_types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must give 'linear_attention' or 'full_attention' for each of the "
+                         f"{num_layers} layers, got {layer_types}")
+    key_heads, value_heads = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
+    if value_heads % key_heads:
+        raise ValueError(f"linear_num_value_heads ({value_heads}) must be a multiple of linear_num_key_heads "
+                         f"({key_heads})")
+    return dict(
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+        layer_types=layer_types,
+        zero_centered_norms=True,
+        attention_output_gate=True,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=hf["linear_key_head_dim"],
+        linear_value_head_dim=hf["linear_value_head_dim"],
+        linear_conv_kernel_dim=hf["linear_conv_kernel_dim"],
     )
 
 

@@ -10,7 +10,10 @@ Shapes: T tokens in the step, H hidden, Hq/Hkv query/kv heads, D head dim, I int
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
+
+import numpy as np
 
 from ..backend.base import Ops, Tensor
 from .config import ModelConfig
@@ -48,12 +51,17 @@ class DenseAttention:
         hidden_states [T, H] -> ([T, H], residual'); writes this step's K/V into kv_cache."""
         ops, config = self.ops, self.config
         qkv, residual = ops.add_rmsnorm_linear(hidden_states, residual, norm_weight, config.rms_norm_eps,
-                                               self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+                                               self.qkv_proj, self.qkv_bias)  # [T, (Hq + 2 Hkv) D (+ Hq D)]
+        q_width = config.num_heads * config.head_dim
+        if config.attention_output_gate:  # Qwen3-Next: the gate's rows come last (qwen3_next.gate_rows_last)
+            qkv, gate = ops.split_columns(qkv, [qkv.shape[1] - q_width, q_width])
         q, k, v = ops.split_heads(qkv, config.num_heads, config.num_kv_heads, config.head_dim)
         k_cache, v_cache = kv_cache
         attn_output = ops.rope_attention(q, k, v, positions, config.rope, k_cache, v_cache, attn, self.scaling,
                                          self.qk_norm)  # [T, Hq, D]
-        attn_output = ops.reshape(attn_output, (q.shape[0], config.num_heads * config.head_dim))
+        attn_output = ops.reshape(attn_output, (q.shape[0], q_width))
+        if config.attention_output_gate:
+            attn_output = ops.mul_sigmoid(attn_output, gate)
         return ops.linear(attn_output, self.o_proj, self.o_bias), residual
 
 
@@ -72,13 +80,15 @@ class DenseMLP:
 
 
 class DenseDecoderLayer:
-    """`mlp` is the layer's feed-forward block: anything with `forward(x [T, H], residual,
-    norm_weight) -> ([T, H], residual')` that norms x + residual itself (the post-attention
-    norm), so a backend may fuse that norm into the block's first GEMM."""
+    """`mixer` is the layer's token mixer (attention, or a hybrid model's gated delta net):
+    anything with `forward(positions, x [T, H], residual, norm_weight, attn, cache) -> ([T, H],
+    residual')` that norms x + residual itself (the input norm); `mlp` is its feed-forward block,
+    `forward(x [T, H], residual, norm_weight) -> ([T, H], residual')` likewise (the post-attention
+    norm). So a backend may fuse each norm into the first GEMM after it."""
 
-    def __init__(self, config: ModelConfig, ops: Ops, weights: Weights, prefix: str, mlp: Any):
+    def __init__(self, weights: Weights, prefix: str, mixer: Any, mlp: Any):
         self.input_layernorm = take(weights, prefix + "input_layernorm.weight")
-        self.self_attn = DenseAttention(config, ops, weights, prefix + "self_attn.")
+        self.self_attn = mixer
         self.post_attention_layernorm = take(weights, prefix + "post_attention_layernorm.weight")
         self.mlp = mlp
 
@@ -87,7 +97,7 @@ class DenseDecoderLayer:
     ) -> tuple[Tensor, Tensor]:
         """The residual add is deferred into the next norm (`add_rmsnorm`), so a layer
         returns (its sublayer output, the residual stream before adding it); residual is
-        None at the first layer."""
+        None at the first layer. kv_cache: the layer's (k_cache, v_cache), or what its mixer keeps instead."""
         hidden_states, residual = self.self_attn.forward(positions, hidden_states, residual, self.input_layernorm, attn,
                                                          kv_cache)
         return self.mlp.forward(hidden_states, residual, self.post_attention_layernorm)
@@ -107,7 +117,8 @@ class DenseForCausalLM:
         self.ops = ops
         self.embed_tokens = take(weights, "model.embed_tokens.weight")
         self.layers = [
-            DenseDecoderLayer(config, ops, weights, f"model.layers.{i}.", self.build_mlp(weights, f"model.layers.{i}.mlp.", i))
+            DenseDecoderLayer(weights, f"model.layers.{i}.", self.build_mixer(weights, f"model.layers.{i}.", i),
+                              self.build_mlp(weights, f"model.layers.{i}.mlp.", i))
             for i in range(config.num_layers)
         ]
         self.norm = take(weights, "model.norm.weight")
@@ -117,12 +128,24 @@ class DenseForCausalLM:
         else:
             self.lm_head = take(weights, "lm_head.weight")
 
+    def build_mixer(self, weights: Weights, prefix: str, layer_index: int) -> Any:
+        """The token mixer of layer `layer_index`, from the weights under the layer's `prefix`."""
+        return DenseAttention(self.config, self.ops, weights, prefix + "self_attn.")
+
     def build_mlp(self, weights: Weights, prefix: str, layer_index: int) -> Any:
         """The feed-forward block of layer `layer_index`, from the weights under `prefix`."""
         return DenseMLP(self.config, self.ops, weights, prefix)
 
+    @classmethod
+    def prepare_weights(cls, config: ModelConfig, weights: Iterable[tuple[str, np.ndarray]]
+                        ) -> Iterator[tuple[str, np.ndarray]]:
+        """The host weights, renamed and packed, on their way to the backend: a family that
+        stores a weight differently from how it runs reorders or rescales it here. Dense: as they are."""
+        return iter(weights)
+
     def forward(self, token_ids: Tensor, positions: Tensor, attn: Any, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """token_ids, positions [T] int32 -> final hidden states [T, H], before the last norm."""
+        """token_ids, positions [T] int32 -> final hidden states [T, H], before the last norm.
+        kv_caches: per layer, its (k_cache, v_cache) or its mixer's state (hybrid models)."""
         hidden_states = self.ops.embedding(token_ids, self.embed_tokens)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -52,14 +52,28 @@ class SparseMoeBlock:
         self.router = ops.router_weight(router)
         self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (num_experts, 2 * intermediate, hidden))
         self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (num_experts, hidden, intermediate))
+        # Qwen3-Next: a dense SiLU expert every token takes, scaled by sigmoid(shared_expert_gate(y)).
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size:
+            shared = config.shared_expert_intermediate_size
+            self.shared_expert = (take_shaped(weights, prefix + "shared_expert.gate_up_proj.weight", (2 * shared, hidden)),
+                                  take_shaped(weights, prefix + "shared_expert.down_proj.weight", (hidden, shared)),
+                                  take_shaped(weights, prefix + "shared_expert_gate.weight", (1, hidden)))
 
     def forward(self, x: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor]:
         """The post-attention norm of x + residual, kept unrounded beside the rows for the router
         (`Ops.add_rmsnorm_for_router`), then `Ops.sparse_moe`: the sum over each token's k experts
-        of weight * expert(y). x [T, H] -> ([T, H], residual')."""
-        y, router_input, residual = self.ops.add_rmsnorm_for_router(x, residual, norm_weight, self.eps)
-        return self.ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
-                                   self.renormalize), residual
+        of weight * expert(y), plus the gated shared expert where there is one.
+        x [T, H] -> ([T, H], residual')."""
+        ops = self.ops
+        y, router_input, residual = ops.add_rmsnorm_for_router(x, residual, norm_weight, self.eps)
+        out = ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                             self.renormalize)
+        if self.shared_expert is not None:
+            gate_up, down, gate = self.shared_expert
+            shared = ops.linear(ops.linear_silu_and_mul(y, gate_up), down)
+            out = ops.add(out, ops.mul_sigmoid(shared, ops.linear(y, gate)))
+        return out, residual
 
 
 class MoeForCausalLM(DenseForCausalLM):

@@ -16,6 +16,7 @@ from .config import ModelConfig, architecture_of, read_hf_configs
 from .dense import DenseForCausalLM
 from .load_progress import LoadProgress
 from .moe import MoeForCausalLM
+from .qwen3_next import Qwen3NextForCausalLM
 from .safetensors_reader import iter_checkpoint, stored_nbytes
 
 _MODEL_CLASSES: dict[str, type] = {
@@ -24,6 +25,7 @@ _MODEL_CLASSES: dict[str, type] = {
     "Qwen3ForCausalLM": DenseForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_CLASSES)
 
@@ -62,7 +64,7 @@ def load_model(model_dir: str | Path, ops: Ops, report: Callable[[str], None] | 
     checkpoint = ((n, a) for n, a in stored if not n.endswith(_IGNORED_WEIGHT_SUFFIXES))
     renamed = rename_modules(checkpoint, model_class.renamed_modules)
     packed = stack_experts(pack_weights(renamed, model_class.packed_modules), config.num_experts)
-    weights = {name: ops.upload(array, ops.dtype) for name, array in packed}
+    weights = {name: ops.upload(array, ops.dtype) for name, array in model_class.prepare_weights(config, packed)}
     model = model_class(config, ops, weights)
     if weights:
         raise ValueError(f"checkpoint has weights {config.architecture} does not use: {sorted(weights)}")

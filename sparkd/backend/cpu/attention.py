@@ -9,11 +9,12 @@ prefill chunks, so a long chunk does not pad every decode to its length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..base import AttentionMetadata
+from .gdn import StateSegment
 
 
 @dataclass
@@ -43,6 +44,7 @@ class AttentionPlan:
     groups: list[SequenceGroup]
     write_rows: np.ndarray
     write_slots: np.ndarray
+    state_segments: list[StateSegment] = field(default_factory=list)  # hybrid models: each sequence's state slot
 
 
 def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
@@ -58,7 +60,15 @@ def plan_attention(meta: AttentionMetadata) -> AttentionPlan:
     ]
     slots = np.asarray(meta.slot_mapping, dtype=np.int64)
     write_rows = np.flatnonzero(slots >= 0)
-    return AttentionPlan(groups=groups, write_rows=write_rows, write_slots=slots[write_rows])
+    snapshots: dict[int, list[tuple[int, int]]] = {}
+    for b, offset, slot in np.asarray(meta.state_snapshots if meta.state_snapshots is not None else [],
+                                      np.int64).reshape(-1, 3):
+        snapshots.setdefault(int(b), []).append((int(offset), int(slot)))
+    segments = [] if meta.state_slots is None else [
+        StateSegment(int(start), int(start + length), int(seq_len - length), int(slot), tuple(snapshots.get(b, ())))
+        for b, (start, length, seq_len, slot) in enumerate(zip(query_start[:-1], query_lens, seq_lens,
+                                                               meta.state_slots))]
+    return AttentionPlan(groups=groups, write_rows=write_rows, write_slots=slots[write_rows], state_segments=segments)
 
 
 def _group(starts: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray) -> SequenceGroup:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, pre_norm
+from . import gdn
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from .moe import moe_experts, moe_route, silu_and_mul
 from .sampler import sample
@@ -37,6 +38,11 @@ class NumpyOps:
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         return [(np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)) for _ in range(num_layers)]
+
+    def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
+                                        num_v_heads: int, k_dim: int, v_dim: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(np.zeros((num_slots, conv_dim, conv_width - 1), np.float32),
+                 np.zeros((num_slots, num_v_heads, k_dim, v_dim), np.float32)) for _ in range(num_layers)]
 
     def bind_thread(self) -> None:
         """numpy needs no per-thread setup."""
@@ -126,6 +132,38 @@ class NumpyOps:
     ) -> np.ndarray:
         q = self.rope_write_kv(q, k, v, positions, rope, k_cache, v_cache, attn, qk_norm)
         return self.attention(q, k_cache, v_cache, attn, scale)
+
+    def copy_state_slots_(self, states: list[tuple[np.ndarray, np.ndarray]], src: np.ndarray,
+                          dst: np.ndarray) -> None:
+        for conv_state, recurrent_state in states:
+            conv_state[dst] = conv_state[src]
+            recurrent_state[dst] = recurrent_state[src]
+
+    def split_columns(self, x: np.ndarray, widths: Sequence[int]) -> list[np.ndarray]:
+        if sum(widths) != x.shape[1]:
+            raise ValueError(f"column widths {list(widths)} do not add up to x's {x.shape[1]}")
+        bounds = np.cumsum([0, *widths])
+        return [x[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def mul_sigmoid(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        return x / (1.0 + np.exp(-gate))
+
+    def causal_conv1d_silu(self, x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
+                           attn: AttentionPlan) -> np.ndarray:
+        return gdn.causal_conv1d_silu(x, weight, conv_state, attn.state_segments)
+
+    def delta_net_gates(self, a: np.ndarray, b: np.ndarray, a_log: np.ndarray,
+                        dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        shifted = a + dt_bias
+        softplus = np.where(shifted > 20.0, shifted, np.log1p(np.exp(np.minimum(shifted, 20.0))))  # torch's threshold
+        return (-np.exp(a_log) * softplus).astype(np.float32), (1.0 / (1.0 + np.exp(-b))).astype(np.float32)
+
+    def gated_delta_rule(self, mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
+                         attn: AttentionPlan, shape: gdn.DeltaNetShape) -> np.ndarray:
+        return gdn.gated_delta_rule(mixed_qkv, g, beta, state, attn.state_segments, shape)
+
+    def gated_rmsnorm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return gdn.gated_rmsnorm(x, z, weight, eps)
 
     def silu_and_mul(self, x: np.ndarray) -> np.ndarray:
         return silu_and_mul(x)
