@@ -1,0 +1,237 @@
+// The gated delta net's sequence mixing (Qwen3-Next's linear-attention layers): the numpy
+// twin is sparkd/backend/cpu/gdn.py, whose docstring states the recurrence.
+//
+// Every kernel walks the step's sequences as the varlen attention does, through one segment
+// table (segments_at): sequence b owns rows [query_start[b], query_start[b + 1]) of T, has
+// seq_lens[b] - its query length cached tokens before them, and its state at state_slots[b]
+// of the pool (read only when it has cached tokens: a fresh sequence starts from zeros).
+// Snapshots: rows [snapshot_start[b], snapshot_start[b + 1]) of snapshot_offsets /
+// snapshot_slots, offsets ascending, ask for the state after the sequence's first `offset` new
+// tokens to be copied to that slot as well.
+//
+// This is a first CUDA form, written to be right rather than fast (and not yet run on a GPU):
+// the delta rule goes token by token in one block per (sequence, value head), which suits
+// decode; a chunked (WY) prefill kernel is the next step.
+#include "common.cuh"
+
+using namespace sparkd;
+
+namespace {
+
+struct Segments {
+  const int* query_start;     // [B + 1]
+  const int* seq_lens;        // [B]
+  const int* state_slots;     // [B]
+  const int* snapshot_start;  // [B + 1]
+  const int* snapshot_offsets;
+  const int* snapshot_slots;
+};
+
+// The step's segment table as one int32 array (one upload): query_start [B + 1] | seq_lens [B] |
+// state_slots [B] | snapshot_start [B + 1] | snapshot_offsets [S] | snapshot_slots [S].
+__device__ __forceinline__ Segments segments_at(const int* table, int num_seqs, int num_snapshots) {
+  const int* snapshot_start = table + 3 * num_seqs + 1;
+  const int* offsets = snapshot_start + num_seqs + 1;
+  return {table, table + num_seqs + 1, table + 2 * num_seqs + 1, snapshot_start, offsets, offsets + num_snapshots};
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+}  // namespace
+
+// out [T, C] = silu(depthwise causal conv of x over each sequence's window and new tokens).
+// x: [T, C] at row stride ld_x; weight: [C, W]; conv_state: [slots, C, W - 1] float, left
+// holding each sequence's last W - 1 inputs (and each snapshot's window).
+// Launch: grid (ceil(C / blockDim.x), B), one thread per channel walking its sequence's tokens.
+template <typename T, int kWidth>
+__global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restrict__ x, long long ld_x,
+                                          const T* __restrict__ weight, float* __restrict__ conv_state,
+                                          const int* __restrict__ table, int num_seqs, int num_snapshots,
+                                          int channels) {
+  constexpr int kWindow = kWidth - 1;
+  const Segments seg = segments_at(table, num_seqs, num_snapshots);
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c >= channels) return;
+  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
+  const bool cached = seg.seq_lens[b] > length;
+  float* own = conv_state + (static_cast<long long>(seg.state_slots[b]) * channels + c) * kWindow;
+  float w[kWidth], window[kWindow];
+#pragma unroll
+  for (int j = 0; j < kWidth; ++j) w[j] = to_float(weight[c * kWidth + j]);
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) window[j] = cached ? own[j] : 0.f;
+  int next = seg.snapshot_start[b];
+  const int last = seg.snapshot_start[b + 1];
+  for (int t = 0; t <= length; ++t) {
+    for (; next < last && seg.snapshot_offsets[next] == t; ++next) {
+      float* snap = conv_state + (static_cast<long long>(seg.snapshot_slots[next]) * channels + c) * kWindow;
+#pragma unroll
+      for (int j = 0; j < kWindow; ++j) snap[j] = window[j];
+    }
+    if (t == length) break;
+    const float input = to_float(x[(start + t) * ld_x + c]);
+    float acc = w[kWindow] * input;
+#pragma unroll
+    for (int j = 0; j < kWindow; ++j) acc += w[j] * window[j];
+    out[static_cast<long long>(start + t) * channels + c] = from_float<T>(silu(acc));
+#pragma unroll
+    for (int j = 0; j + 1 < kWindow; ++j) window[j] = window[j + 1];
+    window[kWindow - 1] = input;
+  }
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) own[j] = window[j];
+}
+
+// g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] at row stride ld,
+// a_log, dt_bias [Hv] -> g, beta [T, Hv] float. softplus as torch's (linear above 20).
+// Launch: a 1-D grid over the T * Hv elements.
+template <typename T>
+__global__ void delta_net_gates_kernel(float* __restrict__ g, float* __restrict__ beta, const T* __restrict__ a,
+                                       const T* __restrict__ b, long long ld, const T* __restrict__ a_log,
+                                       const T* __restrict__ dt_bias, int tokens, int heads) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<long long>(tokens) * heads) return;
+  const long long t = i / heads;
+  const int h = static_cast<int>(i % heads);
+  const float shifted = to_float(a[t * ld + h]) + to_float(dt_bias[h]);
+  const float softplus = shifted > 20.f ? shifted : log1pf(expf(shifted));
+  g[i] = -expf(to_float(a_log[h])) * softplus;
+  beta[i] = 1.f / (1.f + expf(-to_float(b[t * ld + h])));
+}
+
+// o [T, Hv dv] = the gated delta rule over each sequence. mixed_qkv: [T, 2 Hk dk + Hv dv] =
+// [q | k | v] at row stride ld_qkv; g, beta [T, Hv] float; state [slots, Hv, dk, dv] float.
+// q and k are L2-normalised (eps 1e-6 inside the root, as flash-linear-attention), q scaled by
+// dk^-0.5; value head h reads key head h / (Hv / Hk).
+// Launch: grid (Hv, B, ceil(dv / columns)), blockDim.x = kSplit * columns <= kDeltaThreads, columns
+// a multiple of 32 / kSplit: kSplit neighbouring threads own one column of the head's state,
+// S[:, j], in registers, kMaxDk / kSplit rows each (dk <= kMaxDk), and meet by shuffles.
+constexpr int kDeltaThreads = 128;
+
+template <typename T, int kMaxDk>
+__global__ void __launch_bounds__(kDeltaThreads)
+    gated_delta_rule_kernel(T* __restrict__ out, const T* __restrict__ mixed_qkv, long long ld_qkv,
+                            const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                            const int* __restrict__ table, int num_seqs, int num_snapshots, int num_k_heads,
+                            int num_v_heads, int dk, int dv) {
+  constexpr int kSplit = kMaxDk > 64 ? kMaxDk / 64 : 1;  // 64 rows a thread keep the state in registers
+  constexpr int kRows = kMaxDk / kSplit;
+  __shared__ float q_s[kMaxDk], k_s[kMaxDk], inv_norms[2];
+  const Segments seg = segments_at(table, num_seqs, num_snapshots);
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int j = blockIdx.z * (blockDim.x / kSplit) + threadIdx.x / kSplit;
+  const int row0 = (threadIdx.x % kSplit) * kRows;
+  const bool valid = j < dv;
+  const int kh = h / (num_v_heads / num_k_heads);
+  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
+  const bool cached = seg.seq_lens[b] > length;
+  const long long head_stride = static_cast<long long>(dk) * dv;
+  float* own = state + (static_cast<long long>(seg.state_slots[b]) * num_v_heads + h) * head_stride;
+  float s[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) s[r] = (cached && valid && row0 + r < dk) ? own[(row0 + r) * dv + j] : 0.f;
+  const float scale = rsqrtf(static_cast<float>(dk));
+  int next = seg.snapshot_start[b];
+  const int last = seg.snapshot_start[b + 1];
+  for (int t = 0; t <= length; ++t) {
+    for (; next < last && seg.snapshot_offsets[next] == t; ++next) {
+      float* snap = state + (static_cast<long long>(seg.snapshot_slots[next]) * num_v_heads + h) * head_stride;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (valid && row0 + r < dk) snap[(row0 + r) * dv + j] = s[r];
+      }
+    }
+    if (t == length) break;
+    const long long row = static_cast<long long>(start + t);
+    const T* qkv = mixed_qkv + row * ld_qkv;
+    __syncthreads();  // the previous token's q_s / k_s are read
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+      q_s[i] = to_float(qkv[kh * dk + i]);
+      k_s[i] = to_float(qkv[(num_k_heads + kh) * dk + i]);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // warp 0: the two L2 norms
+      float qq = 0.f, kk = 0.f;
+      for (int i = threadIdx.x; i < dk; i += 32) {
+        qq += q_s[i] * q_s[i];
+        kk += k_s[i] * k_s[i];
+      }
+      qq = warp_reduce(qq, SumOp());
+      kk = warp_reduce(kk, SumOp());
+      if (threadIdx.x == 0) {
+        inv_norms[0] = scale / sqrtf(qq + 1e-6f);
+        inv_norms[1] = 1.f / sqrtf(kk + 1e-6f);
+      }
+    }
+    __syncthreads();
+    const float decay = expf(g[row * num_v_heads + h]), write = beta[row * num_v_heads + h];
+    const float q_scale = inv_norms[0], k_scale = inv_norms[1];
+    float predicted = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (row0 + r < dk) {
+        s[r] *= decay;
+        predicted += k_s[row0 + r] * k_scale * s[r];
+      }
+    }
+#pragma unroll
+    for (int offset = 1; offset < kSplit; offset <<= 1) predicted += __shfl_xor_sync(kFullMask, predicted, offset);
+    const float v = valid ? to_float(qkv[2 * num_k_heads * dk + h * dv + j]) : 0.f;
+    const float delta = (v - predicted) * write;
+    float o = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (row0 + r < dk) {
+        s[r] += k_s[row0 + r] * k_scale * delta;
+        o += q_s[row0 + r] * q_scale * s[r];
+      }
+    }
+#pragma unroll
+    for (int offset = 1; offset < kSplit; offset <<= 1) o += __shfl_xor_sync(kFullMask, o, offset);
+    if (valid && row0 == 0) out[row * num_v_heads * dv + h * dv + j] = from_float<T>(o);
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (valid && row0 + r < dk) own[(row0 + r) * dv + j] = s[r];
+  }
+}
+
+// out [T, N] = rmsnorm(x) * weight * silu(z) over each group of D = dim columns, with
+// transformers' roundings in T: the normed x, then its product with weight, then the output.
+// x: [T, N] contiguous; z: [T, N] at row stride ld_z; weight: [D].
+// Launch: one warp per (token, group): blockDim 256, grid ceil(T * N / D / 8).
+template <typename T>
+__global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ z,
+                                     long long ld_z, const T* __restrict__ weight, int tokens, int width, int dim,
+                                     float eps) {
+  const int lane = threadIdx.x & 31;
+  const long long group = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
+  const int groups_per_row = width / dim;
+  if (group >= static_cast<long long>(tokens) * groups_per_row) return;
+  const long long t = group / groups_per_row;
+  const int col0 = static_cast<int>(group % groups_per_row) * dim;
+  const T* row = x + t * width + col0;
+  float sum_sq = 0.f;
+  for (int i = lane; i < dim; i += 32) sum_sq += to_float(row[i]) * to_float(row[i]);
+  const float inv_rms = 1.f / sqrtf(warp_reduce(sum_sq, SumOp()) / static_cast<float>(dim) + eps);
+  for (int i = lane; i < dim; i += 32) {
+    const float normed = to_float(from_float<T>(to_float(row[i]) * inv_rms));
+    const float weighted = to_float(from_float<T>(to_float(weight[i]) * normed));
+    out[t * width + col0 + i] = from_float<T>(weighted * silu(to_float(z[t * ld_z + col0 + i])));
+  }
+}
+
+// out [T, N] = x * sigmoid(gate): x [T, N] at row stride ld_x, gate [T, N] (gate_cols N) or
+// [T, 1] (gate_cols 1) at row stride ld_gate. Launch: a 1-D grid over the T * N elements.
+template <typename T>
+__global__ void mul_sigmoid_kernel(T* __restrict__ out, const T* __restrict__ x, long long ld_x,
+                                   const T* __restrict__ gate, long long ld_gate, int gate_cols, int tokens,
+                                   int width) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<long long>(tokens) * width) return;
+  const long long t = i / width;
+  const int col = static_cast<int>(i % width);
+  const float gv = to_float(gate[t * ld_gate + (gate_cols == 1 ? 0 : col)]);
+  const float sig = to_float(from_float<T>(1.f / (1.f + expf(-gv))));  // transformers rounds the sigmoid to T
+  out[i] = from_float<T>(to_float(x[t * ld_x + col]) * sig);
+}

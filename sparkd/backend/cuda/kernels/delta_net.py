@@ -1,0 +1,163 @@
+"""Launchers of the gated delta net's kernels (cukernels/delta_net.cu): the causal conv + SiLU,
+the decay / write gates, the delta rule over each sequence with its state slot, the gated
+RMSNorm, and x * sigmoid(gate). Each is the CUDA form of the `Ops` method of the same name
+(`backend/cpu/gdn.py` and `NumpyOps` are the twins).
+
+A step's sequences reach the conv and the delta rule as one int32 segment table
+(`segment_table`): the varlen offsets, context lengths, state slots and snapshot requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...base import DeltaNetShape
+from ...dtypes import DType
+from ..compiler import KernelSpec, get_kernel
+from ..driver import Stream
+from ..tensor import DeviceTensor
+from . import ELEMENT_TYPES, i32, require, require_contiguous, require_dtype, row_stride
+
+_SOURCE = "delta_net.cu"
+CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
+MAX_DK = (32, 64, 128)  # kMaxDk instantiations: a thread holds a column of dk state values
+_THREADS = 256
+_DELTA_THREADS = 128  # kDeltaThreads
+
+
+def _name(kernel: str, dtype: DType, *params) -> str:
+    return f"{kernel}<{', '.join([dtype.c_type, *map(str, params)])}>"
+
+
+SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, w)) for t in ELEMENT_TYPES for w in CONV_WIDTHS]
+         + [KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", t, d)) for t in ELEMENT_TYPES for d in MAX_DK]
+         + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
+            for k in ("delta_net_gates_kernel", "gated_rmsnorm_kernel", "mul_sigmoid_kernel")])
+
+
+def segment_table(query_start_loc: np.ndarray, seq_lens: np.ndarray, state_slots: np.ndarray,
+                  snapshots: np.ndarray | None) -> tuple[np.ndarray, int, int]:
+    """(table int32, B, S): query_start [B + 1] | seq_lens [B] | state_slots [B] | snapshot_start
+    [B + 1] | snapshot offsets [S] | snapshot slots [S], from AttentionMetadata's arrays
+    (snapshots [S, 3] rows (sequence, offset, slot), or None)."""
+    num_seqs = len(seq_lens)
+    rows = np.zeros((0, 3), np.int64) if snapshots is None else np.asarray(snapshots, np.int64).reshape(-1, 3)
+    rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]  # by sequence, then offset
+    snapshot_start = np.searchsorted(rows[:, 0], np.arange(num_seqs + 1))
+    table = np.concatenate([query_start_loc, seq_lens, state_slots, snapshot_start, rows[:, 1], rows[:, 2]])
+    return table.astype(np.int32), num_seqs, len(rows)
+
+
+def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
+                       table: DeviceTensor, num_seqs: int, num_snapshots: int, stream: Stream) -> None:
+    """out [T, C] (contiguous, x's dtype) = silu(causal conv of x [T, C] (rows may be spaced) by
+    weight [C, W]); conv_state [slots, C, W - 1] float32, updated. table: `segment_table`'s, on the device."""
+    require(x.ndim == 2 and weight.ndim == 2 and weight.shape[0] == x.shape[1],
+            f"x must be [T, C] and weight [C, W], got {x.shape} and {weight.shape}")
+    tokens, channels = x.shape
+    width = weight.shape[1]
+    require(width in CONV_WIDTHS, f"the conv width must be one of {CONV_WIDTHS}, got {width}")
+    require(x.strides[1] == 1 and weight.dtype is x.dtype and weight.is_contiguous, "x's columns and weight contiguous, one dtype")
+    require_dtype("x", x, *ELEMENT_TYPES)
+    require(out.shape == x.shape and out.dtype is x.dtype, f"out must be {x.shape} {x.dtype.name}, got {out}")
+    require_contiguous("out", out)
+    require(conv_state.ndim == 3 and conv_state.shape[1:] == (channels, width - 1)
+            and conv_state.dtype is DType.float32, f"conv_state must be [slots, {channels}, {width - 1}] float32")
+    require_contiguous("conv_state", conv_state)
+    if tokens == 0:
+        return
+    grid = (-(-channels // _THREADS), num_seqs)
+    get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, width))).launch(
+        grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, table, i32(num_seqs),
+                         i32(num_snapshots), i32(channels)], stream=stream)
+
+
+def delta_net_gates(g: DeviceTensor, beta: DeviceTensor, a: DeviceTensor, b: DeviceTensor, a_log: DeviceTensor,
+                    dt_bias: DeviceTensor, stream: Stream) -> None:
+    """g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] at one row stride
+    (columns of one GEMM output), a_log, dt_bias [Hv] -> g, beta [T, Hv] float32, contiguous."""
+    require(a.shape == b.shape and a.ndim == 2 and row_stride(a) == row_stride(b) and a.dtype is b.dtype,
+            f"a and b must be [T, Hv] of one dtype and row stride, got {a} and {b}")
+    tokens, heads = a.shape
+    for name, tensor in (("a_log", a_log), ("dt_bias", dt_bias)):
+        require(tensor.shape == (heads,) and tensor.dtype is a.dtype, f"{name} must be [{heads}] {a.dtype.name}")
+    for name, tensor in (("g", g), ("beta", beta)):
+        require(tensor.shape == a.shape and tensor.dtype is DType.float32 and tensor.is_contiguous,
+                f"{name} must be a contiguous {a.shape} float32")
+    if tokens == 0:
+        return
+    get_kernel(KernelSpec(_SOURCE, _name("delta_net_gates_kernel", a.dtype))).launch(
+        -(-tokens * heads // _THREADS), _THREADS,
+        [g, beta, a, b, np.int64(row_stride(a)), a_log, dt_bias, i32(tokens), i32(heads)], stream=stream)
+
+
+def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor, beta: DeviceTensor,
+                     state: DeviceTensor, table: DeviceTensor, num_seqs: int, num_snapshots: int,
+                     shape: DeltaNetShape, stream: Stream) -> None:
+    """out [T, Hv dv] (contiguous, mixed_qkv's dtype) = the delta rule over each sequence:
+    mixed_qkv [T, 2 Hk dk + Hv dv] (rows may be spaced), g, beta [T, Hv] float32, state
+    [slots, Hv, dk, dv] float32 (updated). table: `segment_table`'s, on the device."""
+    hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
+    tokens = mixed_qkv.shape[0]
+    require(mixed_qkv.ndim == 2 and mixed_qkv.shape[1] == shape.conv_dim and mixed_qkv.strides[1] == 1,
+            f"mixed_qkv must be [T, {shape.conv_dim}] with contiguous columns, got {mixed_qkv}")
+    require(hv % hk == 0, f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    max_dk = next((m for m in MAX_DK if m >= dk), None)
+    require(max_dk is not None, f"dk must be at most {MAX_DK[-1]}, got {dk}")
+    split = max(1, max_dk // 64)  # kSplit: threads sharing a state column
+    threads = min(_DELTA_THREADS, -(-dv * split // 32) * 32)
+    columns = threads // split
+    require(out.shape == (tokens, hv * dv) and out.dtype is mixed_qkv.dtype and out.is_contiguous,
+            f"out must be a contiguous [{tokens}, {hv * dv}] {mixed_qkv.dtype.name}")
+    for name, tensor in (("g", g), ("beta", beta)):
+        require(tensor.shape == (tokens, hv) and tensor.dtype is DType.float32 and tensor.is_contiguous,
+                f"{name} must be a contiguous [{tokens}, {hv}] float32")
+    require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.dtype is DType.float32
+            and state.is_contiguous, f"state must be a contiguous [slots, {hv}, {dk}, {dv}] float32")
+    if tokens == 0:
+        return
+    get_kernel(KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
+        (hv, num_seqs, -(-dv // columns)), threads,
+        [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, table, i32(num_seqs), i32(num_snapshots),
+         i32(hk), i32(hv), i32(dk), i32(dv)], stream=stream)
+
+
+def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float,
+                  stream: Stream) -> None:
+    """out = rmsnorm(x) * weight * silu(z) over groups of D = len(weight) columns: x [T, N]
+    contiguous, z [T, N] (rows may be spaced), out [T, N] contiguous, one dtype."""
+    require(x.ndim == 2 and z.shape == x.shape and z.strides[1] == 1, f"x and z must be [T, N], got {x} and {z}")
+    tokens, width = x.shape
+    dim = weight.shape[0]
+    require(weight.ndim == 1 and width % dim == 0, f"weight must be [D] with D dividing {width}, got {weight.shape}")
+    for name, tensor in (("z", z), ("weight", weight), ("out", out)):
+        require(tensor.dtype is x.dtype, f"{name} must be {x.dtype.name}, got {tensor.dtype.name}")
+    require_contiguous("x", x)
+    require_contiguous("out", out)
+    require(out.shape == x.shape, f"out must be {x.shape}, got {out.shape}")
+    if tokens == 0:
+        return
+    warps_per_block = _THREADS // 32
+    get_kernel(KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", x.dtype))).launch(
+        -(-tokens * (width // dim) // warps_per_block), _THREADS,
+        [out, x, z, np.int64(row_stride(z)), weight, i32(tokens), i32(width), i32(dim), np.float32(eps)],
+        stream=stream)
+
+
+def mul_sigmoid(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor, stream: Stream) -> None:
+    """out [T, N] (contiguous) = x * sigmoid(gate): x [T, N], gate [T, N] or [T, 1], rows of
+    either may be spaced; one dtype."""
+    require(x.ndim == 2 and gate.ndim == 2 and gate.shape[0] == x.shape[0] and gate.shape[1] in (1, x.shape[1]),
+            f"gate must be [T, N] or [T, 1] beside x [T, N], got {gate.shape} and {x.shape}")
+    require(x.strides[1] == 1 and (gate.shape[1] == 1 or gate.strides[1] == 1), "x's and gate's columns contiguous")
+    require(gate.dtype is x.dtype and out.dtype is x.dtype and out.shape == x.shape,
+            f"out and gate must be in x's dtype {x.dtype.name}, out {x.shape}")
+    require_contiguous("out", out)
+    tokens, width = x.shape
+    if tokens == 0 or width == 0:
+        return
+    ld_gate = gate.row_stride if tokens > 1 else gate.shape[1]
+    get_kernel(KernelSpec(_SOURCE, _name("mul_sigmoid_kernel", x.dtype))).launch(
+        -(-tokens * width // _THREADS), _THREADS,
+        [out, x, np.int64(row_stride(x)), gate, np.int64(ld_gate), i32(gate.shape[1]), i32(tokens), i32(width)],
+        stream=stream)

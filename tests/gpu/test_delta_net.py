@@ -1,0 +1,142 @@
+"""The gated delta net's kernels (cukernels/delta_net.cu) against their numpy twins
+(backend/cpu/gdn.py, NumpyOps) on fresh random inputs: a step of three sequences of
+different lengths, one fresh and two continuing from the state their slots hold, with
+snapshots requested before the first token, mid-sequence and at the end.
+
+Relative error is max |a - b| / max |b|: <= 1e-5 in fp32, <= 1e-2 in bf16 (`tolerance`); the
+states (fp32 in every dtype) are held to the output's bound. The reference reads the inputs
+as the device holds them. The segment table's layout is checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparkd.backend.base import DeltaNetShape
+from sparkd.backend.cpu import gdn
+from sparkd.backend.cpu.ops import NumpyOps
+
+delta_net = pytest.importorskip("sparkd.backend.cuda.kernels.delta_net")
+
+DTYPES = ["float32", "bfloat16"]
+# Three sequences: (new tokens, cached tokens, state slot); their snapshots (sequence, offset, slot).
+SEQUENCES = [(5, 0, 2), (1, 9, 0), (70, 3, 3)]
+SNAPSHOTS = np.array([(0, 5, 4), (2, 0, 5), (2, 33, 6), (2, 70, 7)], np.int32)
+NUM_SLOTS = 8
+SHAPES = [DeltaNetShape(2, 16, 4, 24), DeltaNetShape(2, 128, 4, 128)]
+
+
+def _segments():
+    """(AttentionMetadata-like arrays, the numpy twin's StateSegments)."""
+    lengths = np.array([n for n, _, _ in SEQUENCES])
+    query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    seq_lens = np.array([n + c for n, c, _ in SEQUENCES], np.int32)
+    slots = np.array([s for _, _, s in SEQUENCES], np.int32)
+    segments = [gdn.StateSegment(int(query_start[b]), int(query_start[b + 1]), c, s,
+                                 tuple((int(o), int(t)) for q, o, t in SNAPSHOTS if q == b))
+                for b, (_, c, s) in enumerate(SEQUENCES)]
+    return query_start, seq_lens, slots, segments
+
+
+def _table(gpu):
+    query_start, seq_lens, slots, segments = _segments()
+    table, num_seqs, num_snapshots = delta_net.segment_table(query_start, seq_lens, slots, SNAPSHOTS)
+    return gpu.upload(table), num_seqs, num_snapshots, segments, int(query_start[-1])
+
+
+def _held(gpu, array, dtype):
+    """(the device copy in dtype, what it holds as float32)."""
+    dev = gpu.upload(array.astype(np.float32), dtype)
+    return dev, gpu.download(dev).astype(np.float32)
+
+
+def test_segment_table_layout():
+    query_start, seq_lens, slots, _ = _segments()
+    table, num_seqs, num_snapshots = delta_net.segment_table(query_start, seq_lens, slots, SNAPSHOTS[::-1])
+    assert (num_seqs, num_snapshots) == (3, 4)
+    snapshot_start = table[10:14]
+    np.testing.assert_array_equal(table[:4], query_start)
+    np.testing.assert_array_equal(snapshot_start, [0, 1, 1, 4])
+    np.testing.assert_array_equal(table[14:18], [5, 0, 33, 70])  # sorted by sequence, then offset
+    np.testing.assert_array_equal(table[18:], [4, 5, 6, 7])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [2, 4])
+def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, width):
+    rng = np.random.default_rng(width)
+    table, num_seqs, num_snapshots, segments, tokens = _table(gpu)
+    channels = 96
+    wide, wide_h = _held(gpu, rng.standard_normal((tokens, channels + 32)), dtype)  # x is a column range of it
+    x = wide.column_slice(16, channels)
+    weight, weight_h = _held(gpu, rng.standard_normal((channels, width)) / width, dtype)
+    window = rng.standard_normal((NUM_SLOTS, channels, width - 1)).astype(np.float32)
+    conv_state = gpu.upload(window)
+    out = gpu.empty((tokens, channels), dtype)
+    delta_net.causal_conv1d_silu(out, x, weight, conv_state, table, num_seqs, num_snapshots, gpu.stream)
+    expected_state = window.copy()
+    expected = gdn.causal_conv1d_silu(wide_h[:, 16:16 + channels], weight_h, expected_state, segments)
+    assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
+    assert rel_error(gpu.download(conv_state), expected_state) <= 1e-6  # copies of held inputs: exact
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_delta_net_gates_match_numpy(gpu, rel_error, dtype):
+    rng = np.random.default_rng(1)
+    ab, ab_h = _held(gpu, 4 * rng.standard_normal((37, 16)), dtype)
+    a, b = ab.column_slice(0, 8), ab.column_slice(8, 8)
+    a_log, a_log_h = _held(gpu, rng.standard_normal(8), dtype)
+    dt_bias, dt_bias_h = _held(gpu, rng.standard_normal(8), dtype)
+    g, beta = gpu.empty((37, 8), "float32"), gpu.empty((37, 8), "float32")
+    delta_net.delta_net_gates(g, beta, a, b, a_log, dt_bias, gpu.stream)
+    g_ref, beta_ref = NumpyOps().delta_net_gates(ab_h[:, :8], ab_h[:, 8:], a_log_h, dt_bias_h)
+    assert rel_error(gpu.download(g), g_ref) <= 1e-5 and rel_error(gpu.download(beta), beta_ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "qwen3-next"])
+def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape):
+    rng = np.random.default_rng(shape.k_dim)
+    table, num_seqs, num_snapshots, segments, tokens = _table(gpu)
+    mixed, mixed_h = _held(gpu, rng.standard_normal((tokens, shape.conv_dim)), dtype)
+    g_h = -np.abs(rng.standard_normal((tokens, shape.num_v_heads))).astype(np.float32)
+    beta_h = rng.uniform(0, 1, (tokens, shape.num_v_heads)).astype(np.float32)
+    initial = (0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim))).astype(np.float32)
+    state = gpu.upload(initial)
+    out = gpu.empty((tokens, shape.num_v_heads * shape.v_dim), dtype)
+    delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, table, num_seqs, num_snapshots,
+                               shape, gpu.stream)
+    expected_state = initial.copy()
+    expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape)
+    assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
+    assert rel_error(gpu.download(state), expected_state) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype):
+    rng = np.random.default_rng(2)
+    x, x_h = _held(gpu, rng.standard_normal((9, 4 * 24)), dtype)
+    zz, zz_h = _held(gpu, rng.standard_normal((9, 200)), dtype)
+    z = zz.column_slice(100, 96)
+    weight, weight_h = _held(gpu, 1 + 0.1 * rng.standard_normal(24), dtype)
+    out = gpu.empty((9, 96), dtype)
+    delta_net.gated_rmsnorm(out, x, z, weight, 1e-6, gpu.stream)
+    assert rel_error(gpu.download(out), gdn.gated_rmsnorm(x_h, zz_h[:, 100:196], weight_h, 1e-6)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_cols", [1, 64])
+def test_mul_sigmoid_matches_numpy(gpu, rel_error, tolerance, dtype, gate_cols):
+    rng = np.random.default_rng(gate_cols)
+    x, x_h = _held(gpu, rng.standard_normal((7, 64)), dtype)
+    wide, wide_h = _held(gpu, rng.standard_normal((7, 128)), dtype)
+    gate = wide.column_slice(64, gate_cols)
+    out = gpu.empty((7, 64), dtype)
+    delta_net.mul_sigmoid(out, x, gate, gpu.stream)
+    assert rel_error(gpu.download(out), NumpyOps().mul_sigmoid(x_h, wide_h[:, 64:64 + gate_cols])) <= tolerance[dtype]
