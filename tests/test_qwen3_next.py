@@ -162,6 +162,21 @@ def test_greedy_matches_transformers(greedy_case, engine_args):
     scheduler.check_integrity()
 
 
+def test_the_state_pool_comes_out_of_the_kv_budget(hybrid):
+    """A slot per --max-num-seqs sequence and four snapshots each, fp32 (24192 bytes a slot here:
+    three delta nets of a 160 x 3 conv window and a 4 x 16 x 24 state), come off
+    --kv-cache-memory-gb before the KV blocks; a budget they fill is refused with a clear error."""
+    path, _, _ = hybrid
+    slot_bytes = 3 * 4 * (160 * 3 + 4 * 16 * 24)
+    state_bytes = (8 + 4 * 8) * slot_bytes
+    block_bytes = 2 * 1 * 2 * 16 * 32 * 4  # K and V of the one attention layer: 2 kv heads x 16 tokens x 32
+    budget = state_bytes + 100 * block_bytes
+    llm = LLM(str(path), device="cpu", max_num_seqs=8, max_model_len=512, kv_cache_memory_gb=budget / 2**30)
+    assert llm.engine.scheduler.kv.pool.num_blocks == 100
+    with pytest.raises(ValueError, match="linear-attention state pool"):
+        LLM(str(path), device="cpu", max_num_seqs=8, max_model_len=512, kv_cache_memory_gb=state_bytes / 2**30)
+
+
 # ---- hybrid prefix caching ----
 
 def test_a_prefix_hit_restores_the_state_and_gives_the_tokens_of_a_miss(greedy_case):
@@ -197,6 +212,27 @@ def test_a_short_prompt_and_a_shared_system_prompt_hit(hybrid):
     assert (short_again.num_cached_tokens, second_out.num_cached_tokens) == (16, 64)
     assert short_again.outputs[0].token_ids == hf_greedy(hf, short, 8)
     assert second_out.outputs[0].token_ids == hf_greedy(hf, second, 8)
+
+
+def test_served_hybrid_model_reports_its_prefix_hits_in_the_metrics(hybrid, tmp_path):
+    """`sparkd serve` on the hybrid checkpoint: a repeated 53-token prompt hits 48 tokens (three
+    blocks of 16, its last full block's snapshot), and /metrics counts them."""
+    from tests.server_fixtures import start_server
+
+    path, _, _ = hybrid
+    server = start_server(path, tmp_path / "serve.log")
+    try:
+        prompt = list(range(10, 10 + 3 * 16 + 5))
+        with server.client() as client:
+            first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            before = server.wait_idle()
+            second = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+        after = server.wait_idle()
+        assert first.status_code == second.status_code == 200
+        assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+        assert after["sparkd:prefix_cache_hits_total"] - before["sparkd:prefix_cache_hits_total"] == 48
+    finally:
+        assert server.stop() == 0
 
 
 # ---- checkpoint and rollback (speculative decoding's verify step) ----

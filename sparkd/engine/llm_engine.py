@@ -110,13 +110,14 @@ class LLMEngine:
         if hybrid and self.ops.name != "cpu":
             raise ValueError(f"{cfg.architecture}'s gated delta net layers have no {self.ops.name} kernels yet: "
                              "serve it with --device cpu")
-        num_blocks = args.num_gpu_blocks_override or self._num_kv_blocks()
-        log.info("model %s on %s: %d KV blocks of %d tokens (%.2f GiB)", loaded.source, self.ops.name, num_blocks,
-                 args.block_size, num_blocks * self._kv_block_bytes() / _GiB)
         # A hybrid model's linear-attention state: one slot per sequence that can run at once, then
-        # the prefix cache's snapshots of it (StateSnapshots).
+        # the prefix cache's snapshots of it (StateSnapshots). It comes out of the KV budget first.
         num_state_slots = args.max_num_seqs if hybrid else 0
         num_snapshots = _SNAPSHOTS_PER_SEQUENCE * args.max_num_seqs if hybrid and args.enable_prefix_caching else 0
+        state_bytes = (num_state_slots + num_snapshots) * self._state_slot_bytes()
+        num_blocks = args.num_gpu_blocks_override or self._num_kv_blocks(state_bytes)
+        log.info("model %s on %s: %d KV blocks of %d tokens (%.2f GiB)", loaded.source, self.ops.name, num_blocks,
+                 args.block_size, num_blocks * self._kv_block_bytes() / _GiB)
         self.runner = ModelRunner(self.model, self.ops, self._allocate_caches(num_blocks, num_state_slots + num_snapshots),
                                   args.block_size, args.max_num_seqs, self.max_model_len)
         self.ops.load_kernels(progress)
@@ -164,19 +165,33 @@ class LLMEngine:
             states = iter(ops.allocate_linear_attention_state(len(cfg.linear_attention_layers), num_state_slots,
                                                               shape.conv_dim, cfg.linear_conv_kernel_dim,
                                                               shape.num_v_heads, shape.k_dim, shape.v_dim))
-            log.info("linear-attention state: %d slots of %.1f MiB", num_state_slots,
-                     len(cfg.linear_attention_layers) * 4 * (shape.conv_dim * (cfg.linear_conv_kernel_dim - 1)
-                                                             + shape.num_v_heads * shape.k_dim * shape.v_dim) / 2**20)
+            log.info("linear-attention state: %d slots of %.1f MiB", num_state_slots, self._state_slot_bytes() / 2**20)
         return [next(states) if cfg.is_linear_attention_layer(i) else next(kv) for i in range(cfg.num_layers)]
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, state_bytes: int) -> int:
+        """The KV pool's blocks: what the budget leaves after `state_bytes` of linear-attention state."""
         args = self.args
         block_bytes = self._kv_block_bytes()
         wanted = args.max_num_seqs * -(-self.max_model_len // args.block_size)
         if hasattr(self.ops, "plan_kv_cache"):  # device memory: what the loaded weights left
-            plan = self.ops.plan_kv_cache(block_bytes, args.gpu_memory_utilization, self._activation_reserve_bytes())
+            plan = self.ops.plan_kv_cache(block_bytes, args.gpu_memory_utilization,
+                                          self._activation_reserve_bytes() + state_bytes)
             return min(wanted, plan.num_blocks)
-        return max(1, min(wanted, int(args.kv_cache_memory_gb * 2**30 // block_bytes)))
+        budget = int(args.kv_cache_memory_gb * 2**30) - state_bytes
+        if state_bytes and budget < block_bytes:
+            raise ValueError(f"the linear-attention state pool ({state_bytes / _GiB:.2f} GiB: a slot per sequence "
+                             f"of --max-num-seqs and their prefix-cache snapshots) leaves no room for the KV cache in "
+                             f"--kv-cache-memory-gb {args.kv_cache_memory_gb}; lower --max-num-seqs or raise it")
+        return max(1, min(wanted, budget // block_bytes))
+
+    def _state_slot_bytes(self) -> int:
+        """One slot of the linear-attention state over every delta-net layer: the conv window and
+        the recurrent state, fp32; 0 for a model without such layers."""
+        cfg = self.model_config
+        shape = cfg.delta_net_shape
+        per_layer = 4 * (shape.conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0)
+                         + shape.num_v_heads * shape.k_dim * shape.v_dim)
+        return len(cfg.linear_attention_layers) * per_layer
 
     def _activation_reserve_bytes(self) -> int:
         """Device memory one step may need besides weights and KV cache, kept out of the pool.
