@@ -1,13 +1,12 @@
 // The gated delta net's sequence mixing (Qwen3-Next's linear-attention layers): the numpy
 // twin is sparkd/backend/cpu/gdn.py, whose docstring states the recurrence.
 //
-// Every kernel walks the step's sequences as the varlen attention does, through one segment
-// table (segments_at): sequence b owns rows [query_start[b], query_start[b + 1]) of T, has
-// seq_lens[b] - its query length cached tokens before them, and its state at state_slots[b]
-// of the pool (read only when it has cached tokens: a fresh sequence starts from zeros).
-// Snapshots: rows [snapshot_start[b], snapshot_start[b + 1]) of snapshot_offsets /
-// snapshot_slots, offsets ascending, ask for the state after the sequence's first `offset` new
-// tokens to be copied to that slot as well.
+// Every kernel walks the step's sequences as the varlen attention does (Segments): sequence b
+// owns rows [query_start[b], query_start[b + 1]) of T, has seq_lens[b] - its query length cached
+// tokens before them, and its state at state_slots[b] of the pool (read only when it has cached
+// tokens: a fresh sequence starts from zeros). Snapshots: rows [snapshot_start[b],
+// snapshot_start[b + 1]) of snapshot_offsets / snapshot_slots, offsets ascending, ask for the
+// state after the sequence's first `offset` new tokens to be copied to that slot as well.
 //
 // This is a first CUDA form, written to be right rather than fast (and not yet run on a GPU):
 // the delta rule goes token by token in one block per (sequence, value head), which suits
@@ -18,22 +17,15 @@ using namespace sparkd;
 
 namespace {
 
+// A step's sequences as the kernels read them (the kernels take the six arrays as arguments).
 struct Segments {
-  const int* query_start;     // [B + 1]
-  const int* seq_lens;        // [B]
-  const int* state_slots;     // [B]
-  const int* snapshot_start;  // [B + 1]
-  const int* snapshot_offsets;
-  const int* snapshot_slots;
+  const int* query_start;       // [B + 1]
+  const int* seq_lens;          // [B]
+  const int* state_slots;       // [B]
+  const int* snapshot_start;    // [B + 1]
+  const int* snapshot_offsets;  // [S]
+  const int* snapshot_slots;    // [S]
 };
-
-// The step's segment table as one int32 array (one upload): query_start [B + 1] | seq_lens [B] |
-// state_slots [B] | snapshot_start [B + 1] | snapshot_offsets [S] | snapshot_slots [S].
-__device__ __forceinline__ Segments segments_at(const int* table, int num_seqs, int num_snapshots) {
-  const int* snapshot_start = table + 3 * num_seqs + 1;
-  const int* offsets = snapshot_start + num_seqs + 1;
-  return {table, table + num_seqs + 1, table + 2 * num_seqs + 1, snapshot_start, offsets, offsets + num_snapshots};
-}
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
@@ -46,10 +38,11 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 template <typename T, int kWidth>
 __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restrict__ x, long long ld_x,
                                           const T* __restrict__ weight, float* __restrict__ conv_state,
-                                          const int* __restrict__ table, int num_seqs, int num_snapshots,
-                                          int channels) {
+                                          const int* query_start, const int* seq_lens, const int* state_slots,
+                                          const int* snapshot_start, const int* snapshot_offsets,
+                                          const int* snapshot_slots, int channels) {
   constexpr int kWindow = kWidth - 1;
-  const Segments seg = segments_at(table, num_seqs, num_snapshots);
+  const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
   if (c >= channels) return;
   const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
@@ -112,12 +105,13 @@ template <typename T, int kMaxDk>
 __global__ void __launch_bounds__(kDeltaThreads)
     gated_delta_rule_kernel(T* __restrict__ out, const T* __restrict__ mixed_qkv, long long ld_qkv,
                             const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
-                            const int* __restrict__ table, int num_seqs, int num_snapshots, int num_k_heads,
-                            int num_v_heads, int dk, int dv) {
+                            const int* query_start, const int* seq_lens, const int* state_slots,
+                            const int* snapshot_start, const int* snapshot_offsets, const int* snapshot_slots,
+                            int num_k_heads, int num_v_heads, int dk, int dv) {
   constexpr int kSplit = kMaxDk > 64 ? kMaxDk / 64 : 1;  // 64 rows a thread keep the state in registers
   constexpr int kRows = kMaxDk / kSplit;
   __shared__ float q_s[kMaxDk], k_s[kMaxDk], inv_norms[2];
-  const Segments seg = segments_at(table, num_seqs, num_snapshots);
+  const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
   const int h = blockIdx.x, b = blockIdx.y;
   const int j = blockIdx.z * (blockDim.x / kSplit) + threadIdx.x / kSplit;
   const int row0 = (threadIdx.x % kSplit) * kRows;

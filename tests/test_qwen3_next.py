@@ -17,7 +17,8 @@ from sparkd import LLM, SamplingParams
 from sparkd.backend.cpu import gdn
 from sparkd.backend.cpu.ops import NumpyOps
 from sparkd.models.registry import load_model
-from tests.oracle import hf_logits, make_prompts, make_tiny_checkpoint, step_inputs, tiny_hybrid_overrides
+from tests.oracle import (hf_logits, layer_caches, make_prompts, make_tiny_checkpoint, step_inputs,
+                          tiny_hybrid_overrides)
 
 RTOL = 1e-4
 BLOCK_SIZE, BLOCKS_PER_SEQ = 4, 48
@@ -34,14 +35,7 @@ def hybrid(tmp_path_factory):
 
 def caches(model, num_seqs: int, num_slots: int = 4) -> list:
     """Per layer: KV caches for the attention layers, a state pool for the delta nets."""
-    ops, c = model.ops, model.config
-    shape = c.delta_net_shape
-    kv = iter(ops.allocate_kv_cache(len(c.attention_layers), 1 + num_seqs * BLOCKS_PER_SEQ, BLOCK_SIZE,
-                                    c.num_kv_heads, c.head_dim))
-    states = iter(ops.allocate_linear_attention_state(len(c.linear_attention_layers), num_slots, shape.conv_dim,
-                                                      c.linear_conv_kernel_dim, shape.num_v_heads, shape.k_dim,
-                                                      shape.v_dim))
-    return [next(states) if c.is_linear_attention_layer(i) else next(kv) for i in range(c.num_layers)]
+    return layer_caches(model, num_seqs, num_slots, BLOCK_SIZE, BLOCKS_PER_SEQ)
 
 
 def step_logits(model, layer_caches, sequences, num_cached, slots) -> np.ndarray:
@@ -163,12 +157,12 @@ def test_greedy_matches_transformers(greedy_case, engine_args):
 
 
 def test_the_state_pool_comes_out_of_the_kv_budget(hybrid):
-    """A slot per --max-num-seqs sequence and four snapshots each, fp32 (24192 bytes a slot here:
+    """A slot per --max-num-seqs sequence, four snapshots each and a spare, fp32 (24192 bytes a slot here:
     three delta nets of a 160 x 3 conv window and a 4 x 16 x 24 state), come off
     --kv-cache-memory-gb before the KV blocks; a budget they fill is refused with a clear error."""
     path, _, _ = hybrid
     slot_bytes = 3 * 4 * (160 * 3 + 4 * 16 * 24)
-    state_bytes = (8 + 4 * 8) * slot_bytes
+    state_bytes = (8 + 4 * 8 + 1) * slot_bytes  # running, snapshots, the graphs' padding slot
     block_bytes = 2 * 1 * 2 * 16 * 32 * 4  # K and V of the one attention layer: 2 kv heads x 16 tokens x 32
     budget = state_bytes + 100 * block_bytes
     llm = LLM(str(path), device="cpu", max_num_seqs=8, max_model_len=512, kv_cache_memory_gb=budget / 2**30)

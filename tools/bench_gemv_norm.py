@@ -59,6 +59,48 @@ class Weights:
         return weights
 
 
+def bench_shape(b: DeviceBench, make: Weights, name: str, shape: tuple, num_layers: int, groups: list[int],
+                copy_rate: float) -> None:
+    """Print the rows of one SHAPES entry: the chain with its norms apart, then fused per groups choice."""
+    hidden, qkv_rows, o_k, inter = shape
+    layers = [make.layer(hidden, qkv_rows, o_k, inter) for _ in range(num_layers)]
+    floor = sum(t.nbytes for t in layers[0].values()) / copy_rate * 1e6
+    x = make.vector((1, hidden), 1.0)
+    residuals = [make.vector((1, hidden), 1.0, DType.float32) for _ in range(2)]
+    y = b.allocator.empty((1, hidden), b.dtype)
+    qkv = b.allocator.empty((1, qkv_rows), b.dtype)
+    attn = make.vector((1, o_k), 1.0)  # stands in for attention's output
+    o_out = b.allocator.empty((1, hidden), b.dtype)
+    act = b.allocator.empty((1, inter or 1), b.dtype)
+
+    def unfused() -> None:
+        for w in layers:
+            norm.add_rmsnorm(y, residuals[0], residuals[0], x, w["ln1"], EPS, b.stream)
+            gemv.gemv(qkv, y, w["qkv"], None, b.stream)
+            gemv.gemv(o_out, attn, w["o"], None, b.stream)
+            if inter is not None:
+                norm.add_rmsnorm(y, residuals[0], residuals[0], o_out, w["ln2"], EPS, b.stream)
+                gemv.gemv_silu_and_mul(act, y, w["gate_up"], None, b.stream)
+                gemv.gemv(o_out, act, w["down"], None, b.stream)
+
+    def fused(qkv_groups: int, gate_up_groups: int) -> None:
+        for w in layers:
+            gemv_norm.gemv_norm(qkv, residuals[1], x, residuals[0], w["ln1"], EPS, w["qkv"], None, b.stream,
+                                groups_per_block=qkv_groups)
+            gemv.gemv(o_out, attn, w["o"], None, b.stream)
+            if inter is not None:
+                gemv_norm.gemv_norm_silu_and_mul(act, residuals[0], o_out, residuals[1], w["ln2"], EPS,
+                                                 w["gate_up"], None, b.stream, groups_per_block=gate_up_groups)
+                gemv.gemv(o_out, act, w["down"], None, b.stream)
+
+    base = timed_graph(b.stream, unfused, b.iters) / num_layers * 1e6
+    print(f"| {name} | norms apart | - | {base:.1f} | {floor:.1f} | 1.000 |", flush=True)
+    for qkv_groups, gate_up_groups in itertools.product(groups, groups if inter is not None else [1]):
+        per_layer = timed_graph(b.stream, lambda: fused(qkv_groups, gate_up_groups), b.iters) / num_layers * 1e6
+        print(f"| {name} | norms fused | {qkv_groups}, {gate_up_groups if inter else '-'} | {per_layer:.1f} | "
+              f"{floor:.1f} | {base / per_layer:.3f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, iters=5)
     parser.add_argument("--layers", type=int, default=8, help="layers (distinct weights) per graph")
@@ -71,48 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     print(b.header(copy_rate))
     print("| shape | chain | groups (qkv, gate_up) | us / layer | floor us | unfused / this |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, (hidden, qkv_rows, o_k, inter) in SHAPES.items():
-        layers = [make.layer(hidden, qkv_rows, o_k, inter) for _ in range(args.layers)]
-        floor = sum(t.nbytes for t in layers[0].values()) / copy_rate * 1e6
-        x = make.vector((1, hidden), 1.0)
-        residuals = [make.vector((1, hidden), 1.0, DType.float32) for _ in range(2)]
-        y = b.allocator.empty((1, hidden), b.dtype)
-        qkv = b.allocator.empty((1, qkv_rows), b.dtype)
-        attn = make.vector((1, o_k), 1.0)  # stands in for attention's output
-        o_out = b.allocator.empty((1, hidden), b.dtype)
-        act = b.allocator.empty((1, inter or 1), b.dtype)
-
-        def unfused() -> None:
-            for w in layers:
-                norm.add_rmsnorm(y, residuals[0], residuals[0], x, w["ln1"], EPS, b.stream)
-                gemv.gemv(qkv, y, w["qkv"], None, b.stream)
-                gemv.gemv(o_out, attn, w["o"], None, b.stream)
-                if inter is not None:
-                    norm.add_rmsnorm(y, residuals[0], residuals[0], o_out, w["ln2"], EPS, b.stream)
-                    gemv.gemv_silu_and_mul(act, y, w["gate_up"], None, b.stream)
-                    gemv.gemv(o_out, act, w["down"], None, b.stream)
-
-        def fused(qkv_groups: int, gate_up_groups: int) -> None:
-            for w in layers:
-                gemv_norm.gemv_norm(qkv, residuals[1], x, residuals[0], w["ln1"], EPS, w["qkv"], None, b.stream,
-                                    groups_per_block=qkv_groups)
-                gemv.gemv(o_out, attn, w["o"], None, b.stream)
-                if inter is not None:
-                    gemv_norm.gemv_norm_silu_and_mul(act, residuals[0], o_out, residuals[1], w["ln2"], EPS,
-                                                     w["gate_up"], None, b.stream, groups_per_block=gate_up_groups)
-                    gemv.gemv(o_out, act, w["down"], None, b.stream)
-
-        base = timed_graph(b.stream, unfused, args.iters) / args.layers * 1e6
-        print(f"| {name} | norms apart | - | {base:.1f} | {floor:.1f} | 1.000 |", flush=True)
-        gate_up_choices = args.groups if inter is not None else [1]
-        for qkv_groups, gate_up_groups in itertools.product(args.groups, gate_up_choices):
-            seconds = timed_graph(b.stream, lambda: fused(qkv_groups, gate_up_groups), args.iters)
-            per_layer = seconds / args.layers * 1e6
-            print(f"| {name} | norms fused | {qkv_groups}, {gate_up_groups if inter else '-'} | {per_layer:.1f} | "
-                  f"{floor:.1f} | {base / per_layer:.3f} |", flush=True)
-        del layers
+    for name, shape in SHAPES.items():
+        bench_shape(b, make, name, shape, args.layers, args.groups, copy_rate)
         b.stream.synchronize()
-        b.allocator.release_cached()
+        b.allocator.release_cached()  # this shape's weights, before the next one's
         make.patterns.clear()
     return 0
 

@@ -200,9 +200,11 @@ class Ops(Protocol):
     def bind_thread(self) -> None:
         """Make the backend usable from the calling thread (CUDA: make its context current)."""
 
-    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int) -> Any:
+    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int,
+                            padding_state_slot: int | None = None) -> Any:
         """Something with `run(forward, token_ids, positions, meta) -> logits` that replays
-        decode steps from captured graphs, or None where the backend has no graphs."""
+        decode steps from captured graphs, or None where the backend has no graphs.
+        padding_state_slot: a hybrid model's spare state slot, for a graph's padding rows."""
 
     def prepare_attention(self, meta: AttentionMetadata) -> Any:
         """Upload/plan a step's attention metadata once; the result is passed to

@@ -108,18 +108,21 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         hybrid = bool(cfg.linear_attention_layers)
         if hybrid and self.ops.name != "cpu":
-            raise ValueError(f"{cfg.architecture}'s gated delta net layers have no {self.ops.name} kernels yet: "
-                             "serve it with --device cpu")
+            raise ValueError(f"{cfg.architecture}'s gated delta net kernels have not been validated on "
+                             f"{self.ops.name} yet: serve it with --device cpu")
         # A hybrid model's linear-attention state: one slot per sequence that can run at once, then
         # the prefix cache's snapshots of it (StateSnapshots). It comes out of the KV budget first.
         num_state_slots = args.max_num_seqs if hybrid else 0
         num_snapshots = _SNAPSHOTS_PER_SEQUENCE * args.max_num_seqs if hybrid and args.enable_prefix_caching else 0
-        state_bytes = (num_state_slots + num_snapshots) * self._state_slot_bytes()
+        # One more slot, last, for a decode graph's padding rows.
+        num_pool_slots = num_state_slots + num_snapshots + 1 if hybrid else 0
+        state_bytes = num_pool_slots * self._state_slot_bytes()
         num_blocks = args.num_gpu_blocks_override or self._num_kv_blocks(state_bytes)
         log.info("model %s on %s: %d KV blocks of %d tokens (%.2f GiB)", loaded.source, self.ops.name, num_blocks,
                  args.block_size, num_blocks * self._kv_block_bytes() / _GiB)
-        self.runner = ModelRunner(self.model, self.ops, self._allocate_caches(num_blocks, num_state_slots + num_snapshots),
-                                  args.block_size, args.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.ops, self._allocate_caches(num_blocks, num_pool_slots),
+                                  args.block_size, args.max_num_seqs, self.max_model_len,
+                                  num_pool_slots - 1 if hybrid else None)
         self.ops.load_kernels(progress)
         if args.capture_graphs_at_startup and self.runner.decode_graphs is not None:
             if progress is not None:

@@ -152,9 +152,11 @@ class LaunchedStep:
 class ModelRunner:
     """Owns the model, its KV caches and the backend for the engine."""
 
-    def __init__(self, model, ops: Ops, kv_caches, block_size: int, max_num_seqs: int, max_model_len: int):
+    def __init__(self, model, ops: Ops, kv_caches, block_size: int, max_num_seqs: int, max_model_len: int,
+                 padding_state_slot: int | None = None):
         """kv_caches: per layer, its (k_cache, v_cache), or a linear-attention layer's state
-        (then every step passes each sequence's state slot)."""
+        (then every step passes each sequence's state slot, and padding_state_slot is the spare
+        slot a decode graph's padding rows write)."""
         self.model = model
         self.ops = ops
         self.kv_caches = kv_caches
@@ -164,7 +166,8 @@ class ModelRunner:
         max_blocks_per_seq = -(-max_model_len // block_size)
         # Finished requests release their rows lazily, so allow some slack over max_num_seqs.
         self.block_table = PersistentBlockTable(2 * max_num_seqs, max_blocks_per_seq)
-        self.decode_graphs = ops.decode_graph_runner(max_num_seqs, max_blocks_per_seq, max_model_len)
+        self.decode_graphs = ops.decode_graph_runner(max_num_seqs, max_blocks_per_seq, max_model_len,
+                                                     padding_state_slot)
         self.sampling_batch = SamplingBatch()
 
     def launch(self, output, previous: LaunchedStep | None = None) -> LaunchedStep:
@@ -227,7 +230,8 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs, fill):
         """Logits [len(sample_rows), V] float32, or None when no sequence samples."""
-        if self.decode_graphs is not None and inputs.is_decode:
+        snapshots = inputs.attn.state_snapshots
+        if self.decode_graphs is not None and inputs.is_decode and (snapshots is None or not len(snapshots)):
             return self.decode_graphs.run(self.decode_forward, inputs.token_ids, inputs.positions, inputs.attn, fill)
         ops = self.ops
         attn = ops.prepare_attention(inputs.attn)

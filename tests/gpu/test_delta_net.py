@@ -5,7 +5,7 @@ snapshots requested before the first token, mid-sequence and at the end.
 
 Relative error is max |a - b| / max |b|: <= 1e-5 in fp32, <= 1e-2 in bf16 (`tolerance`); the
 states (fp32 in every dtype) are held to the output's bound. The reference reads the inputs
-as the device holds them. The segment table's layout is checked without a GPU.
+as the device holds them. The snapshot arrays' layout is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -39,10 +39,18 @@ def _segments():
     return query_start, seq_lens, slots, segments
 
 
-def _table(gpu):
+def _attn(gpu):
+    """(the step's CudaAttentionMetadata, the numpy twin's segments, T)."""
+    from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
+
     query_start, seq_lens, slots, segments = _segments()
-    table, num_seqs, num_snapshots = delta_net.segment_table(query_start, seq_lens, slots, SNAPSHOTS)
-    return gpu.upload(table), num_seqs, num_snapshots, segments, int(query_start[-1])
+    start, offsets, snapshot_slots = delta_net.snapshot_arrays(len(seq_lens), SNAPSHOTS)
+    tokens = int(query_start[-1])
+    unused = gpu.upload(np.zeros((len(seq_lens), 1), np.int32))  # block tables and slots: not read here
+    attn = CudaAttentionMetadata(gpu.upload(query_start), gpu.upload(seq_lens), unused, unused, int(max(
+        n for n, _, _ in SEQUENCES)), int(seq_lens.max()), gpu.upload(slots), gpu.upload(start),
+        gpu.upload(offsets), gpu.upload(snapshot_slots))
+    return attn, segments, tokens
 
 
 def _held(gpu, array, dtype):
@@ -51,15 +59,14 @@ def _held(gpu, array, dtype):
     return dev, gpu.download(dev).astype(np.float32)
 
 
-def test_segment_table_layout():
-    query_start, seq_lens, slots, _ = _segments()
-    table, num_seqs, num_snapshots = delta_net.segment_table(query_start, seq_lens, slots, SNAPSHOTS[::-1])
-    assert (num_seqs, num_snapshots) == (3, 4)
-    snapshot_start = table[10:14]
-    np.testing.assert_array_equal(table[:4], query_start)
-    np.testing.assert_array_equal(snapshot_start, [0, 1, 1, 4])
-    np.testing.assert_array_equal(table[14:18], [5, 0, 33, 70])  # sorted by sequence, then offset
-    np.testing.assert_array_equal(table[18:], [4, 5, 6, 7])
+def test_snapshot_arrays_are_by_sequence_then_offset():
+    start, offsets, slots = delta_net.snapshot_arrays(3, SNAPSHOTS[::-1])
+    np.testing.assert_array_equal(start, [0, 1, 1, 4])
+    np.testing.assert_array_equal(offsets, [5, 0, 33, 70])
+    np.testing.assert_array_equal(slots, [4, 5, 6, 7])
+    empty_start, empty_offsets, _ = delta_net.snapshot_arrays(2, None)
+    np.testing.assert_array_equal(empty_start, [0, 0, 0])
+    assert empty_offsets.shape == (0,)
 
 
 @pytest.mark.gpu
@@ -67,7 +74,7 @@ def test_segment_table_layout():
 @pytest.mark.parametrize("width", [2, 4])
 def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, width):
     rng = np.random.default_rng(width)
-    table, num_seqs, num_snapshots, segments, tokens = _table(gpu)
+    attn, segments, tokens = _attn(gpu)
     channels = 96
     wide, wide_h = _held(gpu, rng.standard_normal((tokens, channels + 32)), dtype)  # x is a column range of it
     x = wide.column_slice(16, channels)
@@ -75,7 +82,7 @@ def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, widt
     window = rng.standard_normal((NUM_SLOTS, channels, width - 1)).astype(np.float32)
     conv_state = gpu.upload(window)
     out = gpu.empty((tokens, channels), dtype)
-    delta_net.causal_conv1d_silu(out, x, weight, conv_state, table, num_seqs, num_snapshots, gpu.stream)
+    delta_net.causal_conv1d_silu(out, x, weight, conv_state, attn, gpu.stream)
     expected_state = window.copy()
     expected = gdn.causal_conv1d_silu(wide_h[:, 16:16 + channels], weight_h, expected_state, segments)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
@@ -101,15 +108,14 @@ def test_delta_net_gates_match_numpy(gpu, rel_error, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "qwen3-next"])
 def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape):
     rng = np.random.default_rng(shape.k_dim)
-    table, num_seqs, num_snapshots, segments, tokens = _table(gpu)
+    attn, segments, tokens = _attn(gpu)
     mixed, mixed_h = _held(gpu, rng.standard_normal((tokens, shape.conv_dim)), dtype)
     g_h = -np.abs(rng.standard_normal((tokens, shape.num_v_heads))).astype(np.float32)
     beta_h = rng.uniform(0, 1, (tokens, shape.num_v_heads)).astype(np.float32)
     initial = (0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim))).astype(np.float32)
     state = gpu.upload(initial)
     out = gpu.empty((tokens, shape.num_v_heads * shape.v_dim), dtype)
-    delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, table, num_seqs, num_snapshots,
-                               shape, gpu.stream)
+    delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, attn, shape, gpu.stream)
     expected_state = initial.copy()
     expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]

@@ -115,7 +115,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE) ->
         v' = u - w S,     o = (q exp(G)) S + ((q k^T) * D) v'
         S  = exp(G_last) S + (k exp(G_last - G))^T v'
     Arguments and result as `recurrent_delta_rule`."""
-    length, heads = q.shape[0], q.shape[1]
+    length = q.shape[0]
     state = state.copy()
     out = np.empty(v.shape, np.float32)
     for start in range(0, length, chunk_size):

@@ -47,7 +47,8 @@ class NumpyOps:
     def bind_thread(self) -> None:
         """numpy needs no per-thread setup."""
 
-    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int) -> None:
+    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int,
+                            padding_state_slot: int | None = None) -> None:
         return None  # no graphs: every step runs eagerly
 
     def prepare_attention(self, meta: AttentionMetadata) -> AttentionPlan:

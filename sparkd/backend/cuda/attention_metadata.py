@@ -17,6 +17,8 @@ class CudaAttentionMetadata:
     decode graph they are the graph's bounds (1 and the longest context the graph
     serves), not the step's: a launcher must take lengths from the device arrays and
     treat these only as limits.
+    Hybrid models only (else None): state_slots [B]; the snapshots, by sequence,
+    snapshot_start [B+1] into snapshot_offsets / snapshot_slots [S] (None when S is 0).
     """
 
     query_start_loc: DeviceTensor
@@ -25,6 +27,10 @@ class CudaAttentionMetadata:
     slot_mapping: DeviceTensor
     max_query_len: int
     max_seq_len: int
+    state_slots: DeviceTensor | None = None
+    snapshot_start: DeviceTensor | None = None
+    snapshot_offsets: DeviceTensor | None = None
+    snapshot_slots: DeviceTensor | None = None
 
     @property
     def num_seqs(self) -> int:

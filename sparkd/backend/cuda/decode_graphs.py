@@ -40,9 +40,12 @@ from .transfer import copy_rows_to_device, copy_to_device, pack_layout
 log = logging.getLogger("sparkd.cuda.graphs")
 
 _INT32 = DType.int32.itemsize
-# Padding rows of token_ids, positions, seq_lens, slot_mapping: token 0 at position 0
-# with a context of 1, and no KV write.
-_PADDING = (0, 0, 1, -1)
+# The per-step arrays of every model, in layout order, and the value of their padding rows:
+# token 0 at position 0 with a context of 1, and no KV write. A hybrid model's state_slots
+# follow them (padding rows use the runner's padding_state_slot, fresh sequences that write a
+# slot no one reads).
+_PER_STEP = ("token_ids", "positions", "seq_lens", "slot_mapping")
+_PADDING = {"token_ids": 0, "positions": 0, "seq_lens": 1, "slot_mapping": -1}
 _NO_IDS = np.zeros(0, np.int32)
 _NO_SEQUENCES = AttentionMetadata(query_start_loc=np.zeros(1, np.int32), seq_lens=_NO_IDS,
                                   block_tables=np.zeros((0, 1), np.int32), slot_mapping=_NO_IDS,
@@ -68,53 +71,69 @@ DecodeForward = Callable[[DecodeInputs], DeviceTensor]  # -> logits [B, V] float
 class DecodeLayout:
     """Byte offsets of a bucket's inputs, the same in its device region and its staging slot.
 
-    In order (int32): token_ids, positions, seq_lens, slot_mapping [size] each; the
-    per-step arrays, all before `block_tables_offset`, so one copy moves them. Then
-    block_tables [size, max_blocks], where the staging slot holds just the step's
-    [B, W] part, rows W wide. Then the constants query_start_loc [size + 1] and
-    logits_indices [size]."""
+    In order (int32): token_ids, positions, seq_lens, slot_mapping [size] each (and a hybrid
+    model's state_slots [size]); the per-step arrays, all before `block_tables_offset`, so one
+    copy moves them. Then block_tables [size, max_blocks], where the staging slot holds just
+    the step's [B, W] part, rows W wide. Then the constants query_start_loc [size + 1] and
+    logits_indices [size] (and a hybrid model's snapshot_start [size + 1]: zeros, decode steps
+    take no snapshots)."""
 
     size: int
     max_blocks: int
+    names: tuple[str, ...]
     offsets: tuple[int, ...]
     total: int
 
     @classmethod
-    def for_bucket(cls, size: int, max_blocks: int) -> DecodeLayout:
-        offsets, total = pack_layout([_INT32 * int(np.prod(shape)) for shape in _shapes(size, max_blocks)])
-        return cls(size, max_blocks, tuple(offsets), total)
+    def for_bucket(cls, size: int, max_blocks: int, with_state: bool = False) -> DecodeLayout:
+        names = (_PER_STEP + (("state_slots",) if with_state else ()) + ("block_tables", "query_start_loc",
+                 "logits_indices") + (("snapshot_start",) if with_state else ()))
+        offsets, total = pack_layout([_INT32 * int(np.prod(_shape(name, size, max_blocks))) for name in names])
+        return cls(size, max_blocks, names, tuple(offsets), total)
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
-        return _shapes(self.size, self.max_blocks)
+        return [_shape(name, self.size, self.max_blocks) for name in self.names]
+
+    def offset(self, name: str) -> int:
+        return self.offsets[self.names.index(name)]
+
+    @property
+    def per_step_names(self) -> tuple[str, ...]:
+        return self.names[: self.names.index("block_tables")]
 
     @property
     def block_tables_offset(self) -> int:
-        return self.offsets[4]
+        return self.offset("block_tables")
 
     def staged_bytes(self, batch: int, width: int) -> int:
         """Bytes of staging a step of `batch` sequences x `width` blocks fills."""
         return self.block_tables_offset + _INT32 * batch * width
 
 
-def _shapes(size: int, max_blocks: int) -> list[tuple[int, ...]]:
-    return [(size,), (size,), (size,), (size,), (size, max_blocks), (size + 1,), (size,)]
+def _shape(name: str, size: int, max_blocks: int) -> tuple[int, ...]:
+    return {"block_tables": (size, max_blocks), "query_start_loc": (size + 1,),
+            "snapshot_start": (size + 1,)}.get(name, (size,))
 
 
 def stage_decode_inputs(host: np.ndarray, layout: DecodeLayout, token_ids: np.ndarray, positions: np.ndarray,
-                        meta: AttentionMetadata) -> None:
+                        meta: AttentionMetadata, padding_state_slot: int = 0) -> None:
     """Write a decode step of B sequences into `host` (uint8, at least
-    layout.staged_bytes(B, W)): token_ids, positions, seq_lens and slot_mapping padded
-    to layout.size rows, then meta.block_tables [B, W] compact at block_tables_offset."""
+    layout.staged_bytes(B, W)): token_ids, positions, seq_lens and slot_mapping (and
+    state_slots, whose padding rows get padding_state_slot) padded to layout.size rows,
+    then meta.block_tables [B, W] compact at block_tables_offset."""
     batch, width = meta.block_tables.shape
     if batch > layout.size or width > layout.max_blocks:
         raise ValueError(f"a decode step of {batch} sequences x {width} blocks does not fit a bucket of "
                          f"{layout.size} x {layout.max_blocks}")
-    per_sequence = (token_ids, positions, meta.seq_lens, meta.slot_mapping)
-    for values, offset, padding in zip(per_sequence, layout.offsets, _PADDING):
+    values = {"token_ids": token_ids, "positions": positions, "seq_lens": meta.seq_lens,
+              "slot_mapping": meta.slot_mapping, "state_slots": meta.state_slots}
+    padding = {**_PADDING, "state_slots": padding_state_slot}
+    for name in layout.per_step_names:
+        offset = layout.offset(name)
         column = host[offset : offset + _INT32 * layout.size].view(np.int32)
-        column[:batch] = values
-        column[batch:] = padding
+        column[:batch] = values[name] if batch else []
+        column[batch:] = padding[name]
     start = layout.block_tables_offset
     host[start : start + _INT32 * batch * width].view(np.int32).reshape(batch, width)[:] = meta.block_tables
 
@@ -133,13 +152,16 @@ class DecodeGraphRunner:
     """Runs decode steps through captured graphs.
 
     max_blocks_per_seq and max_seq_len bound every step a graph will serve (from
-    --max-model-len); the attention kernels size their grids from them."""
+    --max-model-len); the attention kernels size their grids from them. A hybrid model's
+    steps carry state slots too: padding_state_slot is the one its padding rows use (None:
+    a model without linear-attention state)."""
 
     def __init__(self, ops, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int,
-                 buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, padding_state_slot: int | None = None):
         self.ops = ops
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
+        self.padding_state_slot = padding_state_slot
         self.buckets = sorted(buckets or default_buckets(max_batch_size))
         self.pool = MemoryPool("decode graphs")  # shared: graphs replay one at a time on one stream
         self._slots = {size: GraphSlot(size) for size in self.buckets}
@@ -192,40 +214,47 @@ class DecodeGraphRunner:
         batch, width = meta.block_tables.shape
         start = layout.block_tables_offset
         with self.ops.staging.slot(layout.staged_bytes(batch, width)) as pinned:
-            stage_decode_inputs(pinned.array, layout, token_ids, positions, meta)
+            stage_decode_inputs(pinned.array, layout, token_ids, positions, meta, self.padding_state_slot or 0)
             copy_to_device(static.per_step, pinned.array[:start], stream)
             copy_rows_to_device(static.region.ptr + start, _INT32 * layout.max_blocks, pinned.ptr + start,
                                 _INT32 * width, _INT32 * width, batch, stream)
 
     def _static_inputs(self, size: int) -> _StaticInputs:
         if size not in self._inputs:
-            layout = DecodeLayout.for_bucket(size, self.max_blocks_per_seq)
+            layout = DecodeLayout.for_bucket(size, self.max_blocks_per_seq, self.padding_state_slot is not None)
             region = self.ops.allocator.empty((layout.total,), DType.uint8)
             # Steps write only their own block-table columns: the rest must hold real block ids.
             call(driver.cuMemsetD8Async, region.ptr, 0, region.nbytes, self.ops.stream.handle)
-            constants_offset = layout.offsets[5]
+            constants_offset = layout.offset("query_start_loc")
             constants = DeviceTensor(region.ptr + constants_offset, (layout.total - constants_offset,), DType.uint8,
                                      None, region.owner)
-            self.ops.staging.upload([np.arange(size + 1, dtype=np.int32), np.arange(size, dtype=np.int32)],
-                                    dest=constants)
-            views = [DeviceTensor(region.ptr + offset, shape, DType.int32, None, region.owner)
-                     for offset, shape in zip(layout.offsets, layout.shapes)]
+            values = {"query_start_loc": np.arange(size + 1), "logits_indices": np.arange(size),
+                      "snapshot_start": np.zeros(size + 1)}
+            self.ops.staging.upload([values[name].astype(np.int32) for name in
+                                     layout.names[layout.names.index("query_start_loc"):]], dest=constants)
+            views = {name: DeviceTensor(region.ptr + offset, shape, DType.int32, None, region.owner)
+                     for name, offset, shape in zip(layout.names, layout.offsets, layout.shapes)}
             per_step = DeviceTensor(region.ptr, (layout.block_tables_offset,), DType.uint8, None, region.owner)
             self._inputs[size] = _StaticInputs(region, layout, self._views(views, self.max_seq_len), per_step)
         return self._inputs[size]
 
     def _eager_inputs(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> DecodeInputs:
         """A step no graph serves, uploaded as it is: B rows, W block-table columns."""
-        arrays = [token_ids, positions, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-                  np.arange(len(token_ids))]
-        return self._views(self.ops.staging.upload([np.asarray(a, np.int32) for a in arrays]), meta.max_seq_len)
+        arrays = {"token_ids": token_ids, "positions": positions, "seq_lens": meta.seq_lens,
+                  "slot_mapping": meta.slot_mapping, "block_tables": meta.block_tables,
+                  "query_start_loc": meta.query_start_loc, "logits_indices": np.arange(len(token_ids))}
+        if self.padding_state_slot is not None:
+            arrays |= {"state_slots": meta.state_slots, "snapshot_start": np.zeros(len(token_ids) + 1)}
+        uploaded = self.ops.staging.upload([np.asarray(a, np.int32) for a in arrays.values()])
+        return self._views(dict(zip(arrays, uploaded)), meta.max_seq_len)
 
     @staticmethod
-    def _views(tensors: list[DeviceTensor], max_seq_len: int) -> DecodeInputs:
-        """DecodeInputs from int32 tensors in DecodeLayout order."""
-        token_ids, positions, seq_lens, slots, block_tables, query_start_loc, logits_indices = tensors
-        attn = CudaAttentionMetadata(query_start_loc, seq_lens, block_tables, slots, 1, max_seq_len)
-        return DecodeInputs(token_ids, positions, attn, logits_indices)
+    def _views(tensors: dict[str, DeviceTensor], max_seq_len: int) -> DecodeInputs:
+        """DecodeInputs from int32 tensors by DecodeLayout name."""
+        attn = CudaAttentionMetadata(tensors["query_start_loc"], tensors["seq_lens"], tensors["block_tables"],
+                                     tensors["slot_mapping"], 1, max_seq_len, tensors.get("state_slots"),
+                                     tensors.get("snapshot_start"))
+        return DecodeInputs(tensors["token_ids"], tensors["positions"], attn, tensors["logits_indices"])
 
     def _capture(self, slot: GraphSlot, forward: DecodeForward, inputs: DecodeInputs) -> None:
         forward(inputs)  # warm-up: nothing may load, plan or grow while capturing

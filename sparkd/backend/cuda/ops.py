@@ -22,10 +22,12 @@ from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
 from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
+from .delta_net_ops import DeltaNetOps
+from .moe_ops import MoeOps
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
-from .kernels import (activation, attention, attention_prefill_wgmma, elementwise, embedding, fault, gemv, gemv_norm,
-                      moe_gemm, moe_grouped_gemm, moe_grouped_wgmma, moe_router, moe_routing, norm, rope_kv, sampling)
+from .kernels import (activation, attention, attention_prefill_wgmma, delta_net, elementwise, embedding, fault, gemv,
+                      gemv_norm, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
@@ -36,7 +38,7 @@ log = logging.getLogger("sparkd.cuda")
 _MODEL_DTYPES = (DType.float32, DType.bfloat16, DType.float16)
 _SMALL_UPLOAD = 1 << 20  # per-step inputs: one pinned staging copy; larger (weights): chunked
 _MIN_ROPE_POSITIONS = 4096
-class CudaOps:
+class CudaOps(MoeOps, DeltaNetOps):
     name = "cuda"
 
     def __init__(self, dtype="bfloat16", device_index: int = 0):
@@ -127,15 +129,23 @@ class CudaOps:
     def bind_thread(self) -> None:
         ensure_context()
 
-    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int) -> DecodeGraphRunner:
-        return DecodeGraphRunner(self, max_batch_size, max_blocks_per_seq, max_seq_len)
+    def decode_graph_runner(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int,
+                            padding_state_slot: int | None = None) -> DecodeGraphRunner:
+        return DecodeGraphRunner(self, max_batch_size, max_blocks_per_seq, max_seq_len,
+                                 padding_state_slot=padding_state_slot)
 
     def prepare_attention(self, meta: AttentionMetadata) -> CudaAttentionMetadata:
-        """One H2D copy for the step's four metadata arrays."""
-        qsl, seq_lens, block_tables, slots = self.staging.upload([
-            meta.query_start_loc.astype(np.int32), meta.seq_lens.astype(np.int32),
-            meta.block_tables.astype(np.int32), meta.slot_mapping.astype(np.int32)])
-        return CudaAttentionMetadata(qsl, seq_lens, block_tables, slots, meta.max_query_len, meta.max_seq_len)
+        """One H2D copy for the step's metadata arrays: four, and a hybrid model's state slots and
+        snapshot requests (delta_net.snapshot_arrays)."""
+        arrays = [meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping]
+        if meta.state_slots is not None:
+            arrays += [meta.state_slots, *delta_net.snapshot_arrays(len(meta.seq_lens), meta.state_snapshots)]
+        qsl, seq_lens, block_tables, slots, *state = self.staging.upload([np.asarray(a, np.int32) for a in arrays])
+        if state:
+            state_slots, snapshot_start, offsets, snapshot_slots = state
+            empty = offsets.shape[0] == 0
+            state = [state_slots, snapshot_start, None if empty else offsets, None if empty else snapshot_slots]
+        return CudaAttentionMetadata(qsl, seq_lens, block_tables, slots, meta.max_query_len, meta.max_seq_len, *state)
 
     def record_event(self) -> Event:
         """An event after all work enqueued so far; await `event.wait()` off the event loop."""
@@ -214,14 +224,6 @@ class CudaOps:
         """Where residual' goes: residual itself once it is the fp32 stream, else a new fp32 buffer."""
         return residual if residual.dtype is DType.float32 else self.allocator.empty(x.shape, DType.float32)
 
-    def router_weight(self, router: DeviceTensor) -> DeviceTensor:
-        """[W | W] [E, 2H] in the model dtype beside add_rmsnorm_for_router's split rows (bf16 / fp16:
-        its products are exact in the fp32 accumulator); W itself in fp32."""
-        if router.dtype is DType.float32:
-            return router
-        weight = self.download(router)
-        return self.upload(np.concatenate([weight, weight], axis=1), router.dtype)
-
     def linear(self, x: DeviceTensor, weight: DeviceTensor, bias: DeviceTensor | None = None,
                out_dtype=None) -> DeviceTensor:
         """x [T, K] (rows may be spaced), weight [N, K], bias [N] -> [T, N] in x's dtype or out_dtype."""
@@ -296,76 +298,6 @@ class CudaOps:
     def silu_and_mul(self, x: DeviceTensor) -> DeviceTensor:
         out = self.allocator.empty((x.shape[0], x.shape[1] // 2), x.dtype)
         activation.silu_and_mul(out, x, self.stream)
-        return out
-
-    def moe_route(self, router_logits: DeviceTensor, top_k: int, renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
-        weights, expert_ids = self._routing_outputs(router_logits.shape[0], router_logits.shape[1], top_k)
-        moe_routing.moe_route(weights, expert_ids, router_logits, renormalize, self.stream)
-        return weights, expert_ids
-
-    def moe_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
-                    expert_ids: DeviceTensor) -> DeviceTensor:
-        """Align the (token, expert) pairs by expert, then `_aligned_experts`: no host sync, capturable."""
-        if weights.shape != expert_ids.shape:
-            raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T, k]")
-        alignment = moe_routing.MoeAlignment.allocate(self.allocator, expert_ids.numel, gate_up.shape[0])
-        moe_routing.moe_align(alignment, expert_ids, self.stream)
-        return self._aligned_experts(x, gate_up, down, weights, alignment)
-
-    def sparse_moe(self, x: DeviceTensor, router_input: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
-                   down: DeviceTensor, top_k: int, renormalize: bool) -> DeviceTensor:
-        """The router GEMM (fp32 logits; in bf16 / fp16 [y | y_lo] @ [W | W]^T), the routing and its
-        alignment, then `_aligned_experts`. A decode step's few pairs (T * k <= WARP_MAX_PAIRS) take
-        one launch for all three (moe_router: a GEMV whose last block routes and aligns) wherever its
-        16-byte loads can read the operands; more take the GEMM (on the tensor cores), then
-        moe_route_align."""
-        num_tokens, num_experts = x.shape[0], router.shape[0]
-        weights, expert_ids = self._routing_outputs(num_tokens, num_experts, top_k)
-        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
-        if (num_tokens * top_k <= moe_routing.WARP_MAX_PAIRS
-                and moe_router.unsupported_reason(router_input, router) is None):
-            router_logits = self.allocator.empty((num_tokens, num_experts), DType.float32)
-            moe_router.moe_router_route_align(weights, expert_ids, alignment, router_logits, router_input, router,
-                                              renormalize, self.stream)
-        else:
-            router_logits = self.linear(router_input, router, out_dtype=np.float32)
-            moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
-        return self._aligned_experts(x, gate_up, down, weights, alignment)
-
-    def _routing_outputs(self, num_tokens: int, num_experts: int, top_k: int) -> tuple[DeviceTensor, DeviceTensor]:
-        """weights [T, k] float32 and expert_ids [T, k] int32, for a valid top_k."""
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
-        return (self.allocator.empty((num_tokens, top_k), DType.float32),
-                self.allocator.empty((num_tokens, top_k), DType.int32))
-
-    def _aligned_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
-                         alignment: moe_routing.MoeAlignment) -> DeviceTensor:
-        """The selected experts' GEMMs (SiLU fused into gate_up) on their rows only, combined back in
-        token order. The expert GEMMs are picked on the host from shapes alone: with bf16/fp16 and at
-        least MIN_ROWS_PER_EXPERT rows per expert on average (prefill), the tensor-core grouped GEMM
-        (moe_grouped_gemm's one-block tile plan, then its mma.sync kernels, or on Hopper
-        moe_grouped_wgmma's); otherwise (decode, fp32) the GEMV-style moe_gemm, which streams the
-        weights at full bandwidth."""
-        num_tokens, top_k = weights.shape
-        num_experts, inter2, hidden_size = gate_up.shape
-        num_pairs = num_tokens * top_k
-        hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
-        expert_out = self.allocator.empty((num_pairs, hidden_size), x.dtype)  # rounded as moe_experts says
-        if moe_grouped_gemm.use_grouped_gemm(num_pairs, num_experts, x.dtype):
-            tile_starts = self.allocator.empty((num_experts + 1,), DType.int32)
-            moe_grouped_gemm.plan_tiles(tile_starts, alignment.offsets, self.stream)
-            grouped = moe_grouped_wgmma if moe_grouped_wgmma.use_wgmma(self.device.arch) else moe_grouped_gemm
-            grouped.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets, tile_starts,
-                                        top_k, self.stream)
-            grouped.moe_grouped_down(expert_out, hidden, down, alignment.offsets, tile_starts, self.stream)
-        else:
-            moe_gemm.moe_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets,
-                                 alignment.active_experts, alignment.num_active, top_k, self.stream)
-            moe_gemm.moe_down(expert_out, hidden, down, alignment.offsets, alignment.active_experts,
-                              alignment.num_active, self.stream)
-        out = self.allocator.empty((num_tokens, hidden_size), x.dtype)
-        moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, self.stream)
         return out
 
     def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:

@@ -3,8 +3,8 @@ the decay / write gates, the delta rule over each sequence with its state slot, 
 RMSNorm, and x * sigmoid(gate). Each is the CUDA form of the `Ops` method of the same name
 (`backend/cpu/gdn.py` and `NumpyOps` are the twins).
 
-A step's sequences reach the conv and the delta rule as one int32 segment table
-(`segment_table`): the varlen offsets, context lengths, state slots and snapshot requests.
+A step's sequences reach the conv and the delta rule through its CudaAttentionMetadata: the
+varlen offsets, context lengths, state slots and snapshot requests (`snapshot_arrays`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 
 from ...base import DeltaNetShape
 from ...dtypes import DType
+from ..attention_metadata import CudaAttentionMetadata
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
 from ..tensor import DeviceTensor
@@ -35,23 +36,29 @@ SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, w)) for t in
             for k in ("delta_net_gates_kernel", "gated_rmsnorm_kernel", "mul_sigmoid_kernel")])
 
 
-def segment_table(query_start_loc: np.ndarray, seq_lens: np.ndarray, state_slots: np.ndarray,
-                  snapshots: np.ndarray | None) -> tuple[np.ndarray, int, int]:
-    """(table int32, B, S): query_start [B + 1] | seq_lens [B] | state_slots [B] | snapshot_start
-    [B + 1] | snapshot offsets [S] | snapshot slots [S], from AttentionMetadata's arrays
-    (snapshots [S, 3] rows (sequence, offset, slot), or None)."""
-    num_seqs = len(seq_lens)
+def snapshot_arrays(num_seqs: int, snapshots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """AttentionMetadata.state_snapshots rows (sequence, offset, slot), or None, as the kernels read
+    them: (snapshot_start [B + 1], offsets [S], slots [S]) int32, by sequence then offset."""
     rows = np.zeros((0, 3), np.int64) if snapshots is None else np.asarray(snapshots, np.int64).reshape(-1, 3)
-    rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]  # by sequence, then offset
-    snapshot_start = np.searchsorted(rows[:, 0], np.arange(num_seqs + 1))
-    table = np.concatenate([query_start_loc, seq_lens, state_slots, snapshot_start, rows[:, 1], rows[:, 2]])
-    return table.astype(np.int32), num_seqs, len(rows)
+    rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]
+    start = np.searchsorted(rows[:, 0], np.arange(num_seqs + 1))
+    return start.astype(np.int32), rows[:, 1].astype(np.int32), rows[:, 2].astype(np.int32)
+
+
+def _segment_args(attn: CudaAttentionMetadata) -> list:
+    """The six Segments arrays of delta_net.cu's kernels, from a hybrid step's metadata."""
+    require(attn.state_slots is not None and attn.snapshot_start is not None,
+            "a delta-net layer needs the step's state slots (AttentionMetadata.state_slots)")
+    empty = np.uint64(0)  # no snapshots: the kernels never read past snapshot_start
+    return [attn.query_start_loc, attn.seq_lens, attn.state_slots, attn.snapshot_start,
+            attn.snapshot_offsets if attn.snapshot_offsets is not None else empty,
+            attn.snapshot_slots if attn.snapshot_slots is not None else empty]
 
 
 def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
-                       table: DeviceTensor, num_seqs: int, num_snapshots: int, stream: Stream) -> None:
+                       attn: CudaAttentionMetadata, stream: Stream) -> None:
     """out [T, C] (contiguous, x's dtype) = silu(causal conv of x [T, C] (rows may be spaced) by
-    weight [C, W]); conv_state [slots, C, W - 1] float32, updated. table: `segment_table`'s, on the device."""
+    weight [C, W]) along each of attn's sequences; conv_state [slots, C, W - 1] float32, updated."""
     require(x.ndim == 2 and weight.ndim == 2 and weight.shape[0] == x.shape[1],
             f"x must be [T, C] and weight [C, W], got {x.shape} and {weight.shape}")
     tokens, channels = x.shape
@@ -66,10 +73,10 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     require_contiguous("conv_state", conv_state)
     if tokens == 0:
         return
-    grid = (-(-channels // _THREADS), num_seqs)
+    grid = (-(-channels // _THREADS), attn.num_seqs)
     get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, width))).launch(
-        grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, table, i32(num_seqs),
-                         i32(num_snapshots), i32(channels)], stream=stream)
+        grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *_segment_args(attn), i32(channels)],
+        stream=stream)
 
 
 def delta_net_gates(g: DeviceTensor, beta: DeviceTensor, a: DeviceTensor, b: DeviceTensor, a_log: DeviceTensor,
@@ -92,11 +99,10 @@ def delta_net_gates(g: DeviceTensor, beta: DeviceTensor, a: DeviceTensor, b: Dev
 
 
 def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor, beta: DeviceTensor,
-                     state: DeviceTensor, table: DeviceTensor, num_seqs: int, num_snapshots: int,
-                     shape: DeltaNetShape, stream: Stream) -> None:
-    """out [T, Hv dv] (contiguous, mixed_qkv's dtype) = the delta rule over each sequence:
-    mixed_qkv [T, 2 Hk dk + Hv dv] (rows may be spaced), g, beta [T, Hv] float32, state
-    [slots, Hv, dk, dv] float32 (updated). table: `segment_table`'s, on the device."""
+                     state: DeviceTensor, attn: CudaAttentionMetadata, shape: DeltaNetShape, stream: Stream) -> None:
+    """out [T, Hv dv] (contiguous, mixed_qkv's dtype) = the delta rule over each of attn's
+    sequences: mixed_qkv [T, 2 Hk dk + Hv dv] (rows may be spaced), g, beta [T, Hv] float32,
+    state [slots, Hv, dk, dv] float32 (updated)."""
     hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
     tokens = mixed_qkv.shape[0]
     require(mixed_qkv.ndim == 2 and mixed_qkv.shape[1] == shape.conv_dim and mixed_qkv.strides[1] == 1,
@@ -117,9 +123,9 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
     if tokens == 0:
         return
     get_kernel(KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
-        (hv, num_seqs, -(-dv // columns)), threads,
-        [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, table, i32(num_seqs), i32(num_snapshots),
-         i32(hk), i32(hv), i32(dk), i32(dv)], stream=stream)
+        (hv, attn.num_seqs, -(-dv // columns)), threads,
+        [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *_segment_args(attn), i32(hk), i32(hv),
+         i32(dk), i32(dv)], stream=stream)
 
 
 def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float,

@@ -1,0 +1,97 @@
+"""The mixture-of-experts `Ops` on CUDA: the router weight's form, routing, alignment and the
+expert GEMMs (GEMV-style at decode sizes, grouped on the tensor cores for prefill), through
+`kernels/moe_*.py`.
+
+`CudaOps` takes these methods from `MoeOps`; they use its allocator, stream, gemm, device,
+download, upload and linear.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import DType
+from .kernels import moe_gemm, moe_grouped_gemm, moe_grouped_wgmma, moe_router, moe_routing
+from .tensor import DeviceTensor
+
+
+class MoeOps:
+    """Mixed into CudaOps."""
+
+    def router_weight(self, router: DeviceTensor) -> DeviceTensor:
+        """[W | W] [E, 2H] in the model dtype beside add_rmsnorm_for_router's split rows (bf16 / fp16:
+        its products are exact in the fp32 accumulator); W itself in fp32."""
+        if router.dtype is DType.float32:
+            return router
+        weight = self.download(router)
+        return self.upload(np.concatenate([weight, weight], axis=1), router.dtype)
+
+    def moe_route(self, router_logits: DeviceTensor, top_k: int, renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
+        weights, expert_ids = self._routing_outputs(router_logits.shape[0], router_logits.shape[1], top_k)
+        moe_routing.moe_route(weights, expert_ids, router_logits, renormalize, self.stream)
+        return weights, expert_ids
+
+    def moe_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
+                    expert_ids: DeviceTensor) -> DeviceTensor:
+        """Align the (token, expert) pairs by expert, then `_aligned_experts`: no host sync, capturable."""
+        if weights.shape != expert_ids.shape:
+            raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T, k]")
+        alignment = moe_routing.MoeAlignment.allocate(self.allocator, expert_ids.numel, gate_up.shape[0])
+        moe_routing.moe_align(alignment, expert_ids, self.stream)
+        return self._aligned_experts(x, gate_up, down, weights, alignment)
+
+    def sparse_moe(self, x: DeviceTensor, router_input: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
+                   down: DeviceTensor, top_k: int, renormalize: bool) -> DeviceTensor:
+        """The router GEMM (fp32 logits; in bf16 / fp16 [y | y_lo] @ [W | W]^T), the routing and its
+        alignment, then `_aligned_experts`. A decode step's few pairs (T * k <= WARP_MAX_PAIRS) take
+        one launch for all three (moe_router: a GEMV whose last block routes and aligns) wherever its
+        16-byte loads can read the operands; more take the GEMM (on the tensor cores), then
+        moe_route_align."""
+        num_tokens, num_experts = x.shape[0], router.shape[0]
+        weights, expert_ids = self._routing_outputs(num_tokens, num_experts, top_k)
+        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
+        if (num_tokens * top_k <= moe_routing.WARP_MAX_PAIRS
+                and moe_router.unsupported_reason(router_input, router) is None):
+            router_logits = self.allocator.empty((num_tokens, num_experts), DType.float32)
+            moe_router.moe_router_route_align(weights, expert_ids, alignment, router_logits, router_input, router,
+                                              renormalize, self.stream)
+        else:
+            router_logits = self.linear(router_input, router, out_dtype=np.float32)
+            moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
+        return self._aligned_experts(x, gate_up, down, weights, alignment)
+
+    def _routing_outputs(self, num_tokens: int, num_experts: int, top_k: int) -> tuple[DeviceTensor, DeviceTensor]:
+        """weights [T, k] float32 and expert_ids [T, k] int32, for a valid top_k."""
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
+        return (self.allocator.empty((num_tokens, top_k), DType.float32),
+                self.allocator.empty((num_tokens, top_k), DType.int32))
+
+    def _aligned_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
+                         alignment: moe_routing.MoeAlignment) -> DeviceTensor:
+        """The selected experts' GEMMs (SiLU fused into gate_up) on their rows only, combined back in
+        token order. The expert GEMMs are picked on the host from shapes alone: with bf16/fp16 and at
+        least MIN_ROWS_PER_EXPERT rows per expert on average (prefill), the tensor-core grouped GEMM
+        (moe_grouped_gemm's one-block tile plan, then its mma.sync kernels, or on Hopper
+        moe_grouped_wgmma's); otherwise (decode, fp32) the GEMV-style moe_gemm, which streams the
+        weights at full bandwidth."""
+        num_tokens, top_k = weights.shape
+        num_experts, inter2, hidden_size = gate_up.shape
+        num_pairs = num_tokens * top_k
+        hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
+        expert_out = self.allocator.empty((num_pairs, hidden_size), x.dtype)  # rounded as moe_experts says
+        if moe_grouped_gemm.use_grouped_gemm(num_pairs, num_experts, x.dtype):
+            tile_starts = self.allocator.empty((num_experts + 1,), DType.int32)
+            moe_grouped_gemm.plan_tiles(tile_starts, alignment.offsets, self.stream)
+            grouped = moe_grouped_wgmma if moe_grouped_wgmma.use_wgmma(self.device.arch) else moe_grouped_gemm
+            grouped.moe_grouped_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets, tile_starts,
+                                        top_k, self.stream)
+            grouped.moe_grouped_down(expert_out, hidden, down, alignment.offsets, tile_starts, self.stream)
+        else:
+            moe_gemm.moe_gate_up(hidden, x, gate_up, alignment.sorted_pairs, alignment.offsets,
+                                 alignment.active_experts, alignment.num_active, top_k, self.stream)
+            moe_gemm.moe_down(expert_out, hidden, down, alignment.offsets, alignment.active_experts,
+                              alignment.num_active, self.stream)
+        out = self.allocator.empty((num_tokens, hidden_size), x.dtype)
+        moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, self.stream)
+        return out
