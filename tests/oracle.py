@@ -77,12 +77,20 @@ def make_tiny_checkpoint(
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Replace HF's near-zero init (std 0.02, norms at 1) with weights that make every
-    parameter matter: linears ~ N(0, 1/fan_in), biases ~ N(0, 0.1), norms ~ 1 + N(0, 0.1)."""
+    parameter matter: linears ~ N(0, 1/fan_in), biases ~ N(0, 0.1), norms ~ 1 + N(0, 0.1) (as scales:
+    a zero-centred norm's w ~ N(0, 0.1))."""
     generator = torch.Generator().manual_seed(seed)
+
+    def zero_centred(name: str) -> bool:
+        """Qwen3-Next's RMSNorms hold w and apply 1 + w, all but the delta net's gated norm."""
+        return model.config.model_type == "qwen3_next" and not name.endswith("linear_attn.norm.weight")
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") and zero_centred(name):
+                param.copy_(0.1 * noise)  # applied as 1 + w
+            elif name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * noise)
             elif name.endswith("bias"):
                 param.copy_(0.1 * noise)

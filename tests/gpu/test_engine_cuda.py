@@ -120,17 +120,17 @@ def teacher_forced_logits(model, sequences: list[list[int]]) -> np.ndarray:
     """[B, L - 1, V] logits after each token of `sequences` (all of length L):
     one prefill step over the first PREFILL_LEN tokens, then one decode step per token,
     each fed the true token."""
-    from oracle import num_kv_blocks, step_inputs
+    from oracle import layer_caches, step_inputs
 
-    ops, cfg = model.ops, model.config
+    ops = model.ops
     length = len(sequences[0])
     blocks_per_seq = -(-length // BLOCK_SIZE)
-    caches = ops.allocate_kv_cache(cfg.num_layers, num_kv_blocks(len(sequences), blocks_per_seq), BLOCK_SIZE,
-                                   cfg.num_kv_heads, cfg.head_dim)
+    caches = layer_caches(model, len(sequences), len(sequences), BLOCK_SIZE, blocks_per_seq)  # a state slot each
 
     def step_logits(num_cached: int, end: int) -> np.ndarray:
         step = step_inputs([s[:end] for s in sequences], [num_cached] * len(sequences), block_size=BLOCK_SIZE,
                            blocks_per_seq=blocks_per_seq)
+        step.meta.state_slots = np.arange(len(sequences), dtype=np.int32)
         attn = ops.prepare_attention(step.meta)
         hidden = model.forward(ops.upload(step.token_ids), ops.upload(step.positions), attn, caches)
         rows = ops.upload(np.arange(len(step.token_ids), dtype=np.int32))
@@ -162,8 +162,14 @@ def transformers_bf16_logits(path, sequences: list[list[int]]) -> np.ndarray:
 _MIXTRAL_BF16_BELOW_BAR = pytest.mark.xfail(strict=True, reason="Mixtral bf16 top-1 agreement is under 0.99 (issue 5)")
 
 
+# The engine refuses Qwen3-Next on CUDA until its kernels pass on a GPU; this test builds the model itself
+# (oracle.tiny_hybrid_overrides at head_dim 64). The tiny random hybrid is touchy: transformers' own bf16
+# agreed with the fp32 reference at 0.931 of these positions (CPU, 2026-12-01), so the bar may not hold.
+BF16_ARCHITECTURES = [*VARIANTS, "Qwen3NextForCausalLM"]
+
+
 @pytest.mark.parametrize("arch", [pytest.param(arch, marks=_MIXTRAL_BF16_BELOW_BAR) if arch == "MixtralForCausalLM"
-                                  else arch for arch in VARIANTS])
+                                  else arch for arch in BF16_ARCHITECTURES])
 def test_bf16_teacher_forced_top1_agrees_with_fp32(arch, tmp_path, cuda_ops_factory):
     """sparkd in bf16 must pick the fp32 reference's top-1 at >= 99% of teacher-forced
     positions (prefill and decode), and may flip a top-1 only where the fp32 margin is
@@ -176,7 +182,8 @@ def test_bf16_teacher_forced_top1_agrees_with_fp32(arch, tmp_path, cuda_ops_fact
     from sparkd.models.registry import load_model
 
     # A bf16 checkpoint: the fp32 reference computes on the very weights bf16 runs with.
-    path, _ = oracle.make_tiny_checkpoint(tmp_path, arch, dtype=torch.bfloat16, **VARIANTS[arch])
+    overrides = VARIANTS.get(arch) or oracle.tiny_hybrid_overrides(head_dim=64)
+    path, _ = oracle.make_tiny_checkpoint(tmp_path, arch, dtype=torch.bfloat16, **overrides)
     reference_model = load_model(path, NumpyOps())
     rng = np.random.default_rng(11)
     sequences = rng.integers(3, reference_model.config.vocab_size, (NUM_SEQS, PREFILL_LEN + DECODE_LEN)).tolist()
