@@ -60,6 +60,40 @@ class DeviceBench:
         return out
 
 
+PATTERN_ELEMS = 1 << 23  # 16 MiB of bf16 noise per fan-in, tiled over the weights
+
+
+class RandomDeviceWeights:
+    """Random weights made on the device: matrices ~ N(0, 1/fan_in), one noise pattern per
+    fan-in uploaded once and tiled over each matrix by device copies (gigabytes in well under
+    a second, with no host copy of the model), and constant vectors."""
+
+    def __init__(self, allocator: DeviceAllocator, stream: Stream, dtype: DType, seed: int = 0):
+        self.allocator, self.stream, self.dtype = allocator, stream, dtype
+        self.rng = np.random.default_rng(seed)
+        self.patterns: dict[int, DeviceTensor] = {}
+
+    def matrix(self, shape: tuple[int, ...], fan_in: int) -> DeviceTensor:
+        if fan_in not in self.patterns:
+            noise = self.rng.standard_normal(PATTERN_ELEMS, dtype=np.float32) / math.sqrt(fan_in)
+            self.patterns[fan_in] = self.upload(noise)
+        out = self.allocator.empty(shape, self.dtype)
+        pattern = self.patterns[fan_in]
+        for offset in range(0, out.nbytes, pattern.nbytes):
+            call(driver.cuMemcpyDtoDAsync, out.ptr + offset, pattern.ptr, min(pattern.nbytes, out.nbytes - offset),
+                 self.stream.handle)
+        return out
+
+    def filled(self, size: int, value: float, dtype: DType | None = None) -> DeviceTensor:
+        return self.upload(np.full(size, value, np.float32), dtype)
+
+    def upload(self, array: np.ndarray, dtype: DType | None = None) -> DeviceTensor:
+        out = self.allocator.empty(array.shape, dtype or self.dtype)
+        copy_to_device(out, encode(array, dtype or self.dtype), self.stream)
+        self.stream.synchronize()  # the host array is pageable and local
+        return out
+
+
 def timed_graph(stream: Stream, work, iters: int) -> float:
     """Seconds per call of `work`, from a graph of `iters` calls replayed after a warm-up replay."""
     work()

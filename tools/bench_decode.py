@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import statistics
 import sys
 import time
@@ -35,13 +34,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import best_seconds, copy_bandwidth, verdict  # noqa: E402
+from bench_common import RandomDeviceWeights, best_seconds, copy_bandwidth, verdict  # noqa: E402
 from bench_gemm import gemm_rate  # noqa: E402
 from bench_peer import print_peer, transformers_decode  # noqa: E402
-from cuda.bindings import driver  # noqa: E402
 
 from sparkd import SamplingParams  # noqa: E402
-from sparkd.backend.cuda.driver import Stream, call  # noqa: E402
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from sparkd.engine.args import EngineArgs  # noqa: E402
@@ -63,7 +60,6 @@ PROMPT_LEN = 128
 BATCH, CONTEXT = 64, 1024
 PREFILL_LEN = 8192
 WARMUP_STEPS = 2  # the first decode step of a batch size captures its graph
-PATTERN_ELEMS = 1 << 23  # 16 MiB of bf16 noise per scale, tiled over the weights
 # The issue's targets.
 BATCH1_ROOFLINE, BATCH1_TOKENS_PER_S, VS_TRANSFORMERS = 0.85, 225.0, 1.8
 BATCH64_ROOFLINE, PREFILL_GEMM = 0.70, 0.55
@@ -71,27 +67,13 @@ BATCH64_ROOFLINE, PREFILL_GEMM = 0.70, 0.55
 
 def random_device_weights(config: ModelConfig, ops: CudaOps, seed: int = 0,
                           mlp_weights=None) -> dict[str, DeviceTensor]:
-    """Every weight DenseForCausalLM takes, made on the device in ops.dtype: matrices
-    ~ N(0, 1/fan_in) (the embedding N(0, 1)), norms 1, biases 0. One noise pattern per
-    fan-in is uploaded and tiled over each matrix by device copies: 16 GB in well under
-    a second, with no host copy of the model.
+    """Every weight DenseForCausalLM takes, made on the device in ops.dtype
+    (RandomDeviceWeights): matrices ~ N(0, 1/fan_in) (the embedding N(0, 1)), norms 1, biases 0.
 
     mlp_weights(prefix, matrix) -> {name: tensor}: a layer's MLP weights in place of the
     dense MLP's (mixture of experts), matrix(shape, fan_in) making each."""
-    rng = np.random.default_rng(seed)
-    patterns: dict[int, DeviceTensor] = {}
-
-    def matrix(shape: tuple[int, ...], fan_in: int) -> DeviceTensor:
-        if fan_in not in patterns:
-            noise = rng.standard_normal(PATTERN_ELEMS, dtype=np.float32) / math.sqrt(fan_in)
-            patterns[fan_in] = ops.upload(noise, ops.dtype)
-        out = ops.empty(shape, ops.dtype)
-        tile(out, patterns[fan_in], ops.stream)
-        return out
-
-    def filled(size: int, value: float) -> DeviceTensor:
-        return ops.upload(np.full(size, value, np.float32), ops.dtype)
-
+    make = RandomDeviceWeights(ops.allocator, ops.stream, ops.dtype, seed)
+    matrix, filled = make.matrix, make.filled
     c = config
     hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
     qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -120,13 +102,6 @@ def random_device_weights(config: ModelConfig, ops: CudaOps, seed: int = 0,
         }
         weights |= {p + name: filled(size, value) for name, (present, size, value) in optional.items() if present}
     return weights
-
-
-def tile(out: DeviceTensor, pattern: DeviceTensor, stream: Stream) -> None:
-    """Fill `out` with repeats of `pattern` (same dtype) by device-to-device copies."""
-    for offset in range(0, out.nbytes, pattern.nbytes):
-        size = min(pattern.nbytes, out.nbytes - offset)
-        call(driver.cuMemcpyDtoDAsync, out.ptr + offset, pattern.ptr, size, stream.handle)
 
 
 @dataclass

@@ -22,8 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import DeviceBench, bench_parser, copy_bandwidth, timed_graph  # noqa: E402
-from bench_decode import PATTERN_ELEMS, tile  # noqa: E402
+from bench_common import DeviceBench, RandomDeviceWeights, bench_parser, copy_bandwidth, timed_graph  # noqa: E402
 from sparkd.backend.cuda.kernels import gemv, gemv_norm, norm  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
 
@@ -32,44 +31,30 @@ EPS = 1e-5
 SHAPES = {"Llama-3.1-8B": (4096, 6144, 4096, 14336), "Qwen3-30B-A3B attention": (2048, 5120, 4096, None)}
 
 
-class Weights:
-    """Random bf16 matrices ~ N(0, 1/fan_in): one 16 MiB noise pattern per fan-in, tiled by device copies."""
-
-    def __init__(self, b: DeviceBench):
-        self.b = b
-        self.patterns: dict[int, object] = {}
-
-    def matrix(self, shape, fan_in: int):
-        if fan_in not in self.patterns:
-            noise = self.b.rng.standard_normal(PATTERN_ELEMS).astype(np.float32) / np.sqrt(fan_in)
-            self.patterns[fan_in] = self.b.upload(noise, self.b.dtype)
-        out = self.b.allocator.empty(shape, self.b.dtype)
-        tile(out, self.patterns[fan_in], self.b.stream)
-        return out
-
-    def vector(self, shape, scale: float, dtype: DType | None = None):
-        return self.b.upload((scale * self.b.rng.standard_normal(shape)).astype(np.float32), dtype or self.b.dtype)
-
-    def layer(self, hidden: int, qkv_rows: int, o_k: int, inter: int | None) -> dict:
-        weights = {"qkv": self.matrix((qkv_rows, hidden), hidden), "o": self.matrix((hidden, o_k), o_k),
-                   "ln1": self.vector((hidden,), 0.1), "ln2": self.vector((hidden,), 0.1)}
-        if inter is not None:
-            weights |= {"gate_up": self.matrix((2 * inter, hidden), hidden),
-                        "down": self.matrix((hidden, inter), inter)}
-        return weights
+def layer_weights(make: RandomDeviceWeights, hidden: int, qkv_rows: int, o_k: int, inter: int | None) -> dict:
+    weights = {"qkv": make.matrix((qkv_rows, hidden), hidden), "o": make.matrix((hidden, o_k), o_k),
+               "ln1": make.upload(0.1 * make.rng.standard_normal(hidden)),
+               "ln2": make.upload(0.1 * make.rng.standard_normal(hidden))}
+    if inter is not None:
+        weights |= {"gate_up": make.matrix((2 * inter, hidden), hidden), "down": make.matrix((hidden, inter), inter)}
+    return weights
 
 
-def bench_shape(b: DeviceBench, make: Weights, name: str, shape: tuple, num_layers: int, groups: list[int],
+def vector(make: RandomDeviceWeights, shape, dtype: DType | None = None):
+    return make.upload(make.rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def bench_shape(b: DeviceBench, make: RandomDeviceWeights, name: str, shape: tuple, num_layers: int, groups: list[int],
                 copy_rate: float) -> None:
     """Print the rows of one SHAPES entry: the chain with its norms apart, then fused per groups choice."""
     hidden, qkv_rows, o_k, inter = shape
-    layers = [make.layer(hidden, qkv_rows, o_k, inter) for _ in range(num_layers)]
+    layers = [layer_weights(make, hidden, qkv_rows, o_k, inter) for _ in range(num_layers)]
     floor = sum(t.nbytes for t in layers[0].values()) / copy_rate * 1e6
-    x = make.vector((1, hidden), 1.0)
-    residuals = [make.vector((1, hidden), 1.0, DType.float32) for _ in range(2)]
+    x = vector(make, (1, hidden))
+    residuals = [vector(make, (1, hidden), DType.float32) for _ in range(2)]
     y = b.allocator.empty((1, hidden), b.dtype)
     qkv = b.allocator.empty((1, qkv_rows), b.dtype)
-    attn = make.vector((1, o_k), 1.0)  # stands in for attention's output
+    attn = vector(make, (1, o_k))  # stands in for attention's output
     o_out = b.allocator.empty((1, hidden), b.dtype)
     act = b.allocator.empty((1, inter or 1), b.dtype)
 
@@ -107,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args(argv)
     b = DeviceBench(DType.bfloat16, args.iters)
-    b.rng = np.random.default_rng(0)
-    make = Weights(b)
+    make = RandomDeviceWeights(b.allocator, b.stream, b.dtype)
     copy_rate = copy_bandwidth(b.allocator, b.stream)
     print(b.header(copy_rate))
     print("| shape | chain | groups (qkv, gate_up) | us / layer | floor us | unfused / this |")

@@ -13,11 +13,12 @@ PEER_REPS = 3  # runs of the peer after its warm-up, the best taken
 
 
 def transformers_decode(hf_config: dict, model_type: str, num_layers: int, prompt_len: int, new_tokens: int,
-                        compile: bool = True, reps: int = PEER_REPS,
-                        device: str = "cuda") -> tuple[float, float] | None:
+                        compile: bool = True, reps: int = PEER_REPS, device: str = "cuda",
+                        cache_implementation: str | None = "static") -> tuple[float, float] | None:
     """(tokens/s of generate, decode-only tokens/s with the prompt's forward taken out) for
     batch 1 after a prompt_len-token prompt, static cache (compiled by generate unless `compile` is
-    False); each the best of `reps` runs after a warm-up (which compiles), as sparkd's own
+    False; cache_implementation None: the model's default cache, for hybrid models, whose state the
+    static cache does not hold); each the best of `reps` runs after a warm-up (which compiles), as sparkd's own
     figures are best-ofs: a single run of the peer moved between 112.6 and 142.4 tok/s from
     call to call (docs/benchmarks.md). None without torch, transformers or a CUDA torch
     (device "cpu" checks the arithmetic of this function on a tiny config)."""
@@ -34,7 +35,9 @@ def transformers_decode(hf_config: dict, model_type: str, num_layers: int, promp
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len), device=device)
     kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-              "cache_implementation": "static", "pad_token_id": config.eos_token_id, "disable_compile": not compile}
+              "pad_token_id": config.eos_token_id, "disable_compile": not compile}
+    if cache_implementation is not None:
+        kwargs["cache_implementation"] = cache_implementation
     synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def best_of(work) -> float:

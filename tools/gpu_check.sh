@@ -99,6 +99,8 @@ if [ "$PART" != tests ]; then
     run_step bench_decode 150 python3 tools/bench_decode.py
     # 24 of Qwen3-30B-A3B's 48 layers, so transformers' copy of the weights fits beside sparkd's.
     run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
+    # Issue 6: one delta-net layer's 8k prefill; the engine rows once the engine serves Qwen3-Next on CUDA.
+    run_step bench_hybrid 150 python3 tools/bench_hybrid.py
     # The A/B of the batch-1 pre-norms inside the GEMVs (off by default until these say it wins).
     run_step bench_decode_fused_norms 100 python3 tools/bench_decode.py --no-transformers --fused-norms
     run_step bench_moe_fused_norms 100 python3 tools/bench_moe.py --layers 24 --no-transformers --fused-norms
