@@ -9,11 +9,11 @@
 # non-zero if any failed.
 set -uo pipefail
 
-# PART: all (default), or tests (up to the GPU tests, plus the kernel benchmarks) or
-# models (the GEMM table and the whole-model benchmarks), each of which fits one 10-minute
-# device call.
-if [ $# -lt 1 ] || [ $# -gt 2 ] || ! [[ ${2:-all} =~ ^(all|tests|models)$ ]]; then
-    echo "usage: $0 OUTDIR [all|tests|models]" >&2
+# PART: all (default), or tests (up to the GPU tests, plus the kernel benchmarks), models
+# (the GEMM table and the whole-model benchmarks) or new (the hybrid benchmark and the A/B of
+# the fused batch-1 norms), each of which fits one 10-minute device call.
+if [ $# -lt 1 ] || [ $# -gt 2 ] || ! [[ ${2:-all} =~ ^(all|tests|models|new)$ ]]; then
+    echo "usage: $0 OUTDIR [all|tests|models|new]" >&2
     exit 2
 fi
 PART=${2:-all}
@@ -79,14 +79,13 @@ run_step versions 15 bash -c versions
 run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
 # Only tests/gpu: the API tests import packages the GPU machine lacks (openai), and
 # --confcutdir keeps tests/conftest.py (the API server fixtures) from loading.
-if [ "$PART" != models ]; then
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
     run_step pytest_gpu 360 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
     # The GPU benchmarks only: the kernels first, against the copy rate or their old form.
     run_step bench_attention 60 python3 tools/bench_attention.py
     run_step bench_attention_prefill 30 python3 tools/bench_attention_prefill.py
     run_step bench_rope_kv 20 python3 tools/bench_rope_kv.py
     run_step bench_kernels 30 python3 tools/bench_kernels.py
-    run_step bench_gemv_norm 60 python3 tools/bench_gemv_norm.py
     run_step bench_sampling 30 python3 tools/bench_sampling.py
     run_step bench_moe_kernels 30 python3 tools/bench_moe_kernels.py
     run_step bench_moe_routing 20 python3 tools/bench_moe_routing.py
@@ -96,13 +95,19 @@ if [ "$PART" != tests ]; then
     # bench_gemm measures cuBLASLt against the skinny GEMM and writes the per-shape table
     # (into the kernel cache) that the model benchmarks then use.
     run_step bench_gemm 90 python3 tools/bench_gemm.py --write-table
+fi
+if [ "$PART" = all ] || [ "$PART" = models ]; then
     run_step bench_decode 150 python3 tools/bench_decode.py
     # 24 of Qwen3-30B-A3B's 48 layers, so transformers' copy of the weights fits beside sparkd's.
     run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
+fi
+if [ "$PART" = all ] || [ "$PART" = new ]; then
     # Issue 6: one delta-net layer's 8k prefill; the engine rows once the engine serves Qwen3-Next on CUDA.
     run_step bench_hybrid 150 python3 tools/bench_hybrid.py
     # The A/B of the batch-1 pre-norms inside the GEMVs (off by default until these say it wins).
+    run_step bench_gemv_norm 60 python3 tools/bench_gemv_norm.py
     run_step bench_decode_fused_norms 100 python3 tools/bench_decode.py --no-transformers --fused-norms
+    run_step bench_decode_norm_kernels 100 python3 tools/bench_decode.py --no-transformers
     run_step bench_moe_fused_norms 100 python3 tools/bench_moe.py --layers 24 --no-transformers --fused-norms
 fi
 
