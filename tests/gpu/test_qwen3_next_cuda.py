@@ -109,3 +109,48 @@ def test_decode_graphs_replay_with_state_slots(model_pair):
         assert runner._slots[4].graph is not None
     finally:
         runner.close()
+
+
+def test_a_failed_hybrid_graph_capture_leaves_the_bucket_eager_and_right(model_pair, monkeypatch):
+    """A capture that fails (SPARKD_TEST_FAIL_GRAPH_CAPTURE) fails that step only: the stream stays
+    usable, the bucket runs eagerly from then on, and the state slots carry on correctly."""
+    from oracle import step_inputs
+
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+    from sparkd.backend.cuda.graphs import FAIL_CAPTURE_ENV, GraphCaptureError
+
+    cpu, gpu = model_pair
+    rng = np.random.default_rng(2)
+    sequences = [rng.integers(3, cpu.config.vocab_size, 10).tolist()]
+    cpu_caches, gpu_caches = caches(cpu, 1), caches(gpu, 1)
+    step_logits(cpu, cpu_caches, sequences, None, [0])
+    step_logits(gpu, gpu_caches, sequences, None, [0])
+    runner = DecodeGraphRunner(gpu.ops, max_batch_size=1, max_blocks_per_seq=BLOCKS_PER_SEQ,
+                               max_seq_len=BLOCK_SIZE * BLOCKS_PER_SEQ, padding_state_slot=NUM_SLOTS - 1)
+
+    def forward(inputs):
+        hidden = gpu.forward(inputs.token_ids, inputs.positions, inputs.attn, gpu_caches)
+        return gpu.compute_logits(hidden, inputs.logits_indices)
+
+    def decode(token: int):
+        nonlocal sequences
+        cached = [len(sequences[0])]
+        sequences = [sequences[0] + [token]]
+        step = step_inputs(sequences, cached, block_size=BLOCK_SIZE, blocks_per_seq=BLOCKS_PER_SEQ)
+        step.meta.state_slots = np.array([0], np.int32)
+        return cached, step
+
+    try:
+        monkeypatch.setenv(FAIL_CAPTURE_ENV, "1")
+        _, step = decode(5)
+        with pytest.raises(GraphCaptureError):
+            runner.run(forward, step.token_ids, step.positions, step.meta)
+        monkeypatch.delenv(FAIL_CAPTURE_ENV)
+        assert runner._slots[1].eager_only
+        sequences = [sequences[0][:-1]]  # the failed step computed nothing (warm-up and capture ran padding rows)
+        for token in (5, 7, 9):
+            cached, step = decode(token)
+            logits = gpu.ops.download(runner.run(forward, step.token_ids, step.positions, step.meta))
+            assert_rows_close(logits, step_logits(cpu, cpu_caches, sequences, cached, [0]))
+    finally:
+        runner.close()

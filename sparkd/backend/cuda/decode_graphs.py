@@ -8,9 +8,9 @@ into the first columns of the region's [bucket, max_blocks] table. So a step
 moves B x W block ids, not bucket x max_model_len / block_size (8 MB at 256
 sequences of 128k tokens). The constants (query_start_loc, logits_indices) are
 written once. Capturing a bucket runs the forward once eagerly first (loading
-kernels, planning GEMMs, sizing the rope table). The engine captures every
-bucket at start-up (`capture_all`, on padding rows); a bucket still without a
-graph captures at its first step. If capturing fails, the bucket runs eagerly
+kernels, planning GEMMs, sizing the rope table), on padding rows. The engine captures
+every bucket at start-up (`capture_all`); a bucket still without a graph captures at
+its first step, which then replays the new graph. If capturing fails, the bucket runs eagerly
 from then on, and a step that was capturing raises GraphCaptureError.
 
 Padding rows are harmless: token 0 at position 0, a negative slot (the KV write
@@ -185,11 +185,14 @@ class DecodeGraphRunner:
                 fill(inputs.token_ids)
             return forward(inputs)
         static = self._static_inputs(slot.size)
+        if slot.graph is None:
+            # Warm up and capture on padding rows, so the step itself runs exactly once (its
+            # replay below): a hybrid model's recurrent state must not take a token twice.
+            self._upload_step(static, _NO_IDS, _NO_IDS, _NO_SEQUENCES)
+            self._capture(slot, forward, static.inputs)
         self._upload_step(static, token_ids, positions, meta)
         if fill is not None:
             fill(static.inputs.token_ids)
-        if slot.graph is None:
-            self._capture(slot, forward, static.inputs)
         slot.graph.replay(self.ops.stream)
         slot.num_replays += 1
         return self._outputs[slot.size].narrow(0, batch)
