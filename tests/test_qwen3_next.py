@@ -208,6 +208,17 @@ def test_a_short_prompt_and_a_shared_system_prompt_hit(hybrid):
     assert second_out.outputs[0].token_ids == hf_greedy(hf, second, 8)
 
 
+def test_n_siblings_share_the_prompt_through_its_snapshot(greedy_case):
+    """n = 3 greedy siblings of a 46-token prompt: the first computes it, the others hit its two
+    full blocks and the state snapshot after them, and all three give transformers' tokens."""
+    path, prompts, expected = greedy_case
+    llm = LLM(str(path), device="cpu", max_num_batched_tokens=64)
+    (out,) = llm.generate([prompts[3]], SamplingParams(n=3, temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True))
+    assert [c.token_ids for c in out.outputs] == [expected[3]] * 3
+    assert llm.engine.stats().prefix_cache_hits == 2 * 32
+    llm.engine.scheduler.check_integrity()
+
+
 def test_served_hybrid_model_reports_its_prefix_hits_in_the_metrics(hybrid, tmp_path):
     """`sparkd serve` on the hybrid checkpoint: a repeated 53-token prompt hits 48 tokens (three
     blocks of 16, its last full block's snapshot), and /metrics counts them."""
