@@ -106,7 +106,10 @@ def test_delta_net_gates_match_numpy(gpu, rel_error, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "qwen3-next"])
-def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape):
+@pytest.mark.parametrize("form", delta_net.FORMS)
+def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape, form):
+    """Both forms, each on every sequence of the step (the chunked one cut at the snapshots and
+    at 64 tokens: the 70-token sequence has chunks of 33 and 37)."""
     rng = np.random.default_rng(shape.k_dim)
     attn, segments, tokens = _attn(gpu)
     mixed, mixed_h = _held(gpu, rng.standard_normal((tokens, shape.conv_dim)), dtype)
@@ -115,7 +118,8 @@ def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape)
     initial = (0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim))).astype(np.float32)
     state = gpu.upload(initial)
     out = gpu.empty((tokens, shape.num_v_heads * shape.v_dim), dtype)
-    delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, attn, shape, gpu.stream)
+    delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, attn, shape, gpu.stream,
+                               form=form)
     expected_state = initial.copy()
     expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]

@@ -33,7 +33,13 @@ def _name(kernel: str, dtype: DType, *params) -> str:
 SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, w)) for t in ELEMENT_TYPES for w in CONV_WIDTHS]
          + [KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", t, d)) for t in ELEMENT_TYPES for d in MAX_DK]
          + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
-            for k in ("delta_net_gates_kernel", "gated_rmsnorm_kernel", "mul_sigmoid_kernel")])
+            for k in ("chunked_delta_rule_kernel", "delta_net_gates_kernel", "gated_rmsnorm_kernel",
+                      "mul_sigmoid_kernel")])
+# chunked_delta_rule_kernel: kChunk tokens a chunk, dk and dv up to kChunkDk / kChunkDv, its shared
+# memory chunk_smem_floats() floats (q and k rows padded by one).
+_CHUNK, _CHUNK_MAX_D = 64, 128
+_CHUNK_SMEM_BYTES = 4 * (2 * _CHUNK * (_CHUNK_MAX_D + 1) + 2 * _CHUNK * _CHUNK_MAX_D + 2 * _CHUNK * (_CHUNK + 1) + 3 * _CHUNK)
+FORMS = ("recurrent", "chunked")
 
 
 def snapshot_arrays(num_seqs: int, snapshots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -99,10 +105,13 @@ def delta_net_gates(g: DeviceTensor, beta: DeviceTensor, a: DeviceTensor, b: Dev
 
 
 def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor, beta: DeviceTensor,
-                     state: DeviceTensor, attn: CudaAttentionMetadata, shape: DeltaNetShape, stream: Stream) -> None:
+                     state: DeviceTensor, attn: CudaAttentionMetadata, shape: DeltaNetShape, stream: Stream,
+                     form: str | None = None) -> None:
     """out [T, Hv dv] (contiguous, mixed_qkv's dtype) = the delta rule over each of attn's
     sequences: mixed_qkv [T, 2 Hk dk + Hv dv] (rows may be spaced), g, beta [T, Hv] float32,
-    state [slots, Hv, dk, dv] float32 (updated)."""
+    state [slots, Hv, dk, dv] float32 (updated). form: "recurrent" (token by token) or
+    "chunked" (the WY form, dk and dv up to 128); by default chunked for a step with a query
+    longer than one token (prefill) where the head sizes allow, else recurrent (decode)."""
     hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
     tokens = mixed_qkv.shape[0]
     require(mixed_qkv.ndim == 2 and mixed_qkv.shape[1] == shape.conv_dim and mixed_qkv.strides[1] == 1,
@@ -121,6 +130,16 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
     require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.dtype is DType.float32
             and state.is_contiguous, f"state must be a contiguous [slots, {hv}, {dk}, {dv}] float32")
     if tokens == 0:
+        return
+    fits_chunks = dk <= _CHUNK_MAX_D and dv <= _CHUNK_MAX_D
+    form = form or ("chunked" if attn.max_query_len > 1 and fits_chunks else "recurrent")
+    require(form in FORMS and (form == "recurrent" or fits_chunks),
+            f"form must be one of {FORMS} (chunked: dk and dv at most {_CHUNK_MAX_D}), got {form!r}")
+    if form == "chunked":
+        get_kernel(KernelSpec(_SOURCE, _name("chunked_delta_rule_kernel", mixed_qkv.dtype))).launch(
+            (hv, attn.num_seqs), 2 * _CHUNK_MAX_D,
+            [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *_segment_args(attn), i32(hk), i32(hv),
+             i32(dk), i32(dv)], shared_mem=_CHUNK_SMEM_BYTES, stream=stream)
         return
     get_kernel(KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
         (hv, attn.num_seqs, -(-dv // columns)), threads,
