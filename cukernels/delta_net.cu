@@ -28,6 +28,47 @@ struct Segments {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
+// A thread's share of one value head's recurrent state S [dk, dv]: rows [row0, row0 + kRows) of
+// column j, in registers. valid is false for the threads past dv (they join the shuffles only).
+template <int kRows>
+struct StateColumn {
+  float s[kRows];
+  int row0, j, dk, dv;
+  bool valid;
+
+  __device__ __forceinline__ StateColumn(int row0_, int j_, int dk_, int dv_)
+      : row0(row0_), j(j_), dk(dk_), dv(dv_), valid(j_ < dv_) {}
+
+  // head: the head's [dk, dv] state in the pool; zeros for a sequence with no cached tokens.
+  __device__ __forceinline__ void load(const float* head, bool cached) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) s[r] = (cached && valid && row0 + r < dk) ? head[(row0 + r) * dv + j] : 0.f;
+  }
+
+  __device__ __forceinline__ void store(float* head) const {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (valid && row0 + r < dk) head[(row0 + r) * dv + j] = s[r];
+    }
+  }
+};
+
+// Value head h's [dk, dv] state in pool slot `slot`.
+__device__ __forceinline__ float* head_state(float* state, int slot, int num_v_heads, int h, int dk, int dv) {
+  return state + (static_cast<long long>(slot) * num_v_heads + h) * dk * dv;
+}
+
+// Writes the column to every snapshot of sequence b taken after `t` of its new tokens, from
+// snapshot row `next` on (the snapshot rows are by offset); returns the first row past them.
+template <int kRows>
+__device__ __forceinline__ int store_snapshots(const StateColumn<kRows>& column, const Segments& seg, int b, int t,
+                                               int next, float* state, int num_v_heads, int h) {
+  for (; next < seg.snapshot_start[b + 1] && seg.snapshot_offsets[next] == t; ++next) {
+    column.store(head_state(state, seg.snapshot_slots[next], num_v_heads, h, column.dk, column.dv));
+  }
+  return next;
+}
+
 }  // namespace
 
 // out [T, C] = silu(depthwise causal conv of x over each sequence's window and new tokens).
@@ -112,28 +153,19 @@ __global__ void __launch_bounds__(kDeltaThreads)
   __shared__ float q_s[kMaxDk], k_s[kMaxDk], inv_norms[2];
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
   const int h = blockIdx.x, b = blockIdx.y;
-  const int j = blockIdx.z * (blockDim.x / kSplit) + threadIdx.x / kSplit;
-  const int row0 = (threadIdx.x % kSplit) * kRows;
-  const bool valid = j < dv;
+  StateColumn<kRows> column((threadIdx.x % kSplit) * kRows, blockIdx.z * (blockDim.x / kSplit) + threadIdx.x / kSplit,
+                            dk, dv);
+  float (&s)[kRows] = column.s;
+  const int j = column.j, row0 = column.row0;
+  const bool valid = column.valid;
   const int kh = h / (num_v_heads / num_k_heads);
   const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
-  const bool cached = seg.seq_lens[b] > length;
-  const long long head_stride = static_cast<long long>(dk) * dv;
-  float* own = state + (static_cast<long long>(seg.state_slots[b]) * num_v_heads + h) * head_stride;
-  float s[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) s[r] = (cached && valid && row0 + r < dk) ? own[(row0 + r) * dv + j] : 0.f;
+  float* own = head_state(state, seg.state_slots[b], num_v_heads, h, dk, dv);
+  column.load(own, seg.seq_lens[b] > length);
   const float scale = rsqrtf(static_cast<float>(dk));
   int next = seg.snapshot_start[b];
-  const int last = seg.snapshot_start[b + 1];
   for (int t = 0; t <= length; ++t) {
-    for (; next < last && seg.snapshot_offsets[next] == t; ++next) {
-      float* snap = state + (static_cast<long long>(seg.snapshot_slots[next]) * num_v_heads + h) * head_stride;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (valid && row0 + r < dk) snap[(row0 + r) * dv + j] = s[r];
-      }
-    }
+    next = store_snapshots(column, seg, b, t, next, state, num_v_heads, h);
     if (t == length) break;
     const long long row = static_cast<long long>(start + t);
     const T* qkv = mixed_qkv + row * ld_qkv;
@@ -183,10 +215,7 @@ __global__ void __launch_bounds__(kDeltaThreads)
     for (int offset = 1; offset < kSplit; offset <<= 1) o += __shfl_xor_sync(kFullMask, o, offset);
     if (valid && row0 == 0) out[row * num_v_heads * dv + h * dv + j] = from_float<T>(o);
   }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (valid && row0 + r < dk) own[(row0 + r) * dv + j] = s[r];
-  }
+  column.store(own);
 }
 
 // The same delta rule 64 tokens at a time in the WY form (backend/cpu/gdn.py's
@@ -224,29 +253,21 @@ __global__ void __launch_bounds__(2 * kChunkDv)
 
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
   const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-  const int j = tid / 2, row0 = (tid % 2) * (kChunkDk / 2);
   constexpr int kRows = kChunkDk / 2;
-  const bool valid = j < dv;
+  StateColumn<kRows> column((tid % 2) * kRows, tid / 2, dk, dv);
+  float (&s)[kRows] = column.s;
+  const int j = column.j, row0 = column.row0;
+  const bool valid = column.valid;
   const int kh = h / (num_v_heads / num_k_heads);
   const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
-  const bool cached = seg.seq_lens[b] > length;
-  const long long head_stride = static_cast<long long>(dk) * dv;
-  float* own = state + (static_cast<long long>(seg.state_slots[b]) * num_v_heads + h) * head_stride;
-  float s[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) s[r] = (cached && valid && row0 + r < dk) ? own[(row0 + r) * dv + j] : 0.f;
+  float* own = head_state(state, seg.state_slots[b], num_v_heads, h, dk, dv);
+  column.load(own, seg.seq_lens[b] > length);
   const float scale = rsqrtf(static_cast<float>(dk));
   int next = seg.snapshot_start[b];
   const int last_snapshot = seg.snapshot_start[b + 1];
 
   for (int t0 = 0; t0 <= length;) {
-    for (; next < last_snapshot && seg.snapshot_offsets[next] == t0; ++next) {
-      float* snap = state + (static_cast<long long>(seg.snapshot_slots[next]) * num_v_heads + h) * head_stride;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (valid && row0 + r < dk) snap[(row0 + r) * dv + j] = s[r];
-      }
-    }
+    next = store_snapshots(column, seg, b, t0, next, state, num_v_heads, h);
     if (t0 == length) break;
     // This chunk: up to kChunk tokens, ending early at the next snapshot point.
     int n = min(kChunk, length - t0);
@@ -350,10 +371,7 @@ __global__ void __launch_bounds__(2 * kChunkDv)
     }
     t0 += n;
   }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (valid && row0 + r < dk) own[(row0 + r) * dv + j] = s[r];
-  }
+  column.store(own);
 }
 
 // out [T, N] = rmsnorm(x) * weight * silu(z) over each group of D = dim columns, with
