@@ -137,3 +137,19 @@ def test_a_prompt_chunk_plans_its_snapshots_and_a_hit_restores_one():
     assert out.state_restores == [(snapshot_after_32, seq.request.state_slot)]
     assert [offset for offset, _ in seq.state_snapshots] == []  # 40 is snapshotted already
     sched.check_integrity()
+
+
+def test_a_failed_step_forgets_the_snapshots_it_was_to_write():
+    """Its entries could name states never written: after discard_snapshots the same prompt finds
+    no hit and takes the snapshots afresh."""
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, num_blocks=64, block_size=4,
+                      enable_prefix_caching=True, num_state_slots=4, num_state_snapshots=8)
+    sched.add_request(request("a", length=40))
+    failed = sched.schedule()
+    sched.discard_snapshots(failed)
+    sched.finish_request("a", RequestStatus.FINISHED_ERROR)
+    assert len(sched.state_snapshots) == 0
+    sched.add_request(request("b", length=40))
+    out = sched.schedule()
+    assert not out.state_restores and [o for o, _ in out.scheduled[0].state_snapshots] == [16, 32, 40]
+    sched.check_integrity()

@@ -309,6 +309,7 @@ class AsyncEngine:
     def _fail_step(self, output: SchedulerOutput, exc: Exception) -> None:
         """One bad batch fails its own requests, not the server."""
         log.error("a step failed; failing its %d requests", len(output.scheduled), exc_info=exc)
+        self.core.scheduler.discard_snapshots(output)
         group_ids = {s.request.group_id for s in output.scheduled}
         for group_id in group_ids:
             final = self.core.fail(group_id, f"internal error while running the model: {type(exc).__name__}")

@@ -246,6 +246,8 @@ class Scheduler:
 
     def _plan_snapshots(self, request: Request, start: int, num_new: int) -> tuple[tuple[int, int], ...]:
         """The snapshots a prompt chunk [start, start + num_new) writes: (tokens into the chunk, slot)."""
+        if start >= request.num_prompt_tokens:
+            return ()  # a decode step: snapshots are of prompts only
         block_size = self.kv.block_size
         boundaries = [b for b in boundaries_to_snapshot(request.num_prompt_tokens, block_size,
                                                         self.snapshot_interval_blocks) if start < b <= start + num_new]
@@ -254,6 +256,13 @@ class Scheduler:
         hashes = self.kv.block_hashes(request, boundaries[-1] // block_size)
         planned = ((b - start, self.state_snapshots.reserve(hashes[b // block_size - 1])) for b in boundaries)
         return tuple((offset, slot) for offset, slot in planned if slot is not None)
+
+    def discard_snapshots(self, output: SchedulerOutput) -> None:
+        """Forget the state snapshots a failed step was to write."""
+        if self.state_snapshots is not None:
+            for seq in output.scheduled:
+                for _, slot in seq.state_snapshots:
+                    self.state_snapshots.discard(slot)
 
     def _stops_by_length(self, request: Request) -> bool:
         """Its tokens in flight reach max_tokens or the longest sequence: it ends when they land."""

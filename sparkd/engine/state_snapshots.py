@@ -13,7 +13,10 @@ sent again, resumed after preemption, or extended by the next turn of a chat.
 
 A snapshot is the state after exactly that prefix, so it stays right while its hash names
 it, whether or not the K/V blocks are still cached (a hit needs both). Snapshots are
-evicted least recently used, and a hit refreshes the one it uses. Only integers here.
+evicted least recently used, and a hit refreshes the one it uses. An entry is made when a
+step that will write it is scheduled, and dropped if that step fails (`discard`), so every
+entry names a state that is, or will be once the steps in flight have run, in its slot.
+Only integers here.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ class StateSnapshots:
         slot = self._free.pop() if self._free else self._slot_of.popitem(last=False)[1]
         self._slot_of[block_hash] = slot
         return slot
+
+    def discard(self, slot: int) -> None:
+        """Forget the snapshot in `slot`, if any (its step failed, so it may never have been written)."""
+        block_hash = next((h for h, s in self._slot_of.items() if s == slot), None)
+        if block_hash is not None:
+            del self._slot_of[block_hash]
+            self._free.append(slot)
 
     def check_integrity(self) -> None:
         """RuntimeError unless the used and free slots partition the snapshot range."""
