@@ -37,6 +37,11 @@ class StateSegment:
     snapshots: tuple[tuple[int, int], ...] = ()
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives the right limit, 0
+        return 1.0 / (1.0 + np.exp(-x))
+
+
 def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
                        segments: list[StateSegment]) -> np.ndarray:
     """silu(depthwise causal conv of each segment's channels over its window and new tokens).
@@ -55,7 +60,7 @@ def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray
         conv_state[seg.slot] = inputs[:, -(width - 1):]
         for offset, slot in seg.snapshots:
             conv_state[slot] = inputs[:, offset : offset + width - 1]  # the window after `offset` tokens
-    return out / (1.0 + np.exp(-out))
+    return out * sigmoid(out)
 
 
 def l2norm(x: np.ndarray) -> np.ndarray:
@@ -147,4 +152,4 @@ def gated_rmsnorm(x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) 
     groups = x.reshape(tokens, width // dim, dim).astype(np.float32)
     normed = groups / np.sqrt(np.mean(groups * groups, axis=-1, keepdims=True) + np.float32(eps)) * weight
     gate = np.ascontiguousarray(z, np.float32).reshape(tokens, width // dim, dim)
-    return (normed * (gate / (1.0 + np.exp(-gate)))).reshape(tokens, width)
+    return (normed * gate * sigmoid(gate)).reshape(tokens, width)

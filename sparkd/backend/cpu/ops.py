@@ -147,7 +147,7 @@ class NumpyOps:
         return [x[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
     def mul_sigmoid(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
-        return x / (1.0 + np.exp(-gate))
+        return x * gdn.sigmoid(gate)
 
     def causal_conv1d_silu(self, x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
                            attn: AttentionPlan) -> np.ndarray:
@@ -157,7 +157,7 @@ class NumpyOps:
                         dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         shifted = a + dt_bias
         softplus = np.where(shifted > 20.0, shifted, np.log1p(np.exp(np.minimum(shifted, 20.0))))  # torch's threshold
-        return (-np.exp(a_log) * softplus).astype(np.float32), (1.0 / (1.0 + np.exp(-b))).astype(np.float32)
+        return (-np.exp(a_log) * softplus).astype(np.float32), gdn.sigmoid(b).astype(np.float32)
 
     def gated_delta_rule(self, mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
                          attn: AttentionPlan, shape: gdn.DeltaNetShape) -> np.ndarray:
