@@ -150,3 +150,40 @@ def test_mul_sigmoid_matches_numpy(gpu, rel_error, tolerance, dtype, gate_cols):
     out = gpu.empty((7, 64), dtype)
     delta_net.mul_sigmoid(out, x, gate, gpu.stream)
     assert rel_error(gpu.download(out), NumpyOps().mul_sigmoid(x_h, wide_h[:, 64:64 + gate_cols])) <= tolerance[dtype]
+
+
+# ---- preconditions (no launch, no GPU) ----
+
+def test_launchers_reject_what_the_kernels_cannot_run():
+    from device_fakes import fake_tensor
+
+    from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
+
+    ids = fake_tensor((3,), "int32", ptr=0x90000)
+    attn = CudaAttentionMetadata(fake_tensor((4,), "int32"), ids, fake_tensor((3, 1), "int32"), ids, 70, 80, ids,
+                                 fake_tensor((4,), "int32"))
+    shape = DeltaNetShape(2, 16, 4, 24)
+    mixed = fake_tensor((76, shape.conv_dim))
+    g, beta = (fake_tensor((76, 4), "float32", ptr=p) for p in (0x20000, 0x30000))
+    state = fake_tensor((8, 4, 16, 24), "float32", ptr=0x40000)
+    out = fake_tensor((76, 96), ptr=0x50000)
+    with pytest.raises(ValueError, match=r"mixed_qkv must be \[T, 160\]"):
+        delta_net.gated_delta_rule(out, fake_tensor((76, 150)), g, beta, state, attn, shape, None)
+    with pytest.raises(ValueError, match="form must be one of"):
+        delta_net.gated_delta_rule(out, mixed, g, beta, state, attn, shape, None, form="parallel")
+    wide = DeltaNetShape(1, 64, 1, 256)  # the recurrent form takes dv 256, the chunked one at most 128
+    with pytest.raises(ValueError, match="chunked: dk and dv at most 128"):
+        delta_net.gated_delta_rule(fake_tensor((76, 256)), fake_tensor((76, wide.conv_dim)), fake_tensor((76, 1),
+                                   "float32"), fake_tensor((76, 1), "float32"),
+                                   fake_tensor((8, 1, 64, 256), "float32"), attn, wide, None, form="chunked")
+    with pytest.raises(ValueError, match="dk must be at most 128"):
+        delta_net.gated_delta_rule(fake_tensor((76, 32)), fake_tensor((76, 544)), g, beta, state, attn,
+                                   DeltaNetShape(1, 256, 1, 32), None)
+    with pytest.raises(ValueError, match="conv width must be one of"):
+        delta_net.causal_conv1d_silu(fake_tensor((76, 96)), fake_tensor((76, 96)), fake_tensor((96, 5)),
+                                     fake_tensor((8, 96, 4), "float32"), attn, None)
+    with pytest.raises(ValueError, match=r"gate must be \[T, N\] or \[T, 1\]"):
+        delta_net.mul_sigmoid(fake_tensor((7, 64)), fake_tensor((7, 64)), fake_tensor((7, 2)), None)
+    no_state = CudaAttentionMetadata(fake_tensor((4,), "int32"), ids, fake_tensor((3, 1), "int32"), ids, 70, 80)
+    with pytest.raises(ValueError, match="needs the step's state slots"):
+        delta_net.gated_delta_rule(out, mixed, g, beta, state, no_state, shape, None)

@@ -77,11 +77,12 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     require(conv_state.ndim == 3 and conv_state.shape[1:] == (channels, width - 1)
             and conv_state.dtype is DType.float32, f"conv_state must be [slots, {channels}, {width - 1}] float32")
     require_contiguous("conv_state", conv_state)
+    segments = _segment_args(attn)
     if tokens == 0:
         return
     grid = (-(-channels // _THREADS), attn.num_seqs)
     get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, width))).launch(
-        grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *_segment_args(attn), i32(channels)],
+        grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
         stream=stream)
 
 
@@ -129,6 +130,7 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
                 f"{name} must be a contiguous [{tokens}, {hv}] float32")
     require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.dtype is DType.float32
             and state.is_contiguous, f"state must be a contiguous [slots, {hv}, {dk}, {dv}] float32")
+    segments = _segment_args(attn)
     if tokens == 0:
         return
     fits_chunks = dk <= _CHUNK_MAX_D and dv <= _CHUNK_MAX_D
@@ -138,13 +140,13 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
     if form == "chunked":
         get_kernel(KernelSpec(_SOURCE, _name("chunked_delta_rule_kernel", mixed_qkv.dtype))).launch(
             (hv, attn.num_seqs), 2 * _CHUNK_MAX_D,
-            [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *_segment_args(attn), i32(hk), i32(hv),
-             i32(dk), i32(dv)], shared_mem=_CHUNK_SMEM_BYTES, stream=stream)
+            [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *segments, i32(hk), i32(hv), i32(dk),
+             i32(dv)], shared_mem=_CHUNK_SMEM_BYTES, stream=stream)
         return
     get_kernel(KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
         (hv, attn.num_seqs, -(-dv // columns)), threads,
-        [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *_segment_args(attn), i32(hk), i32(hv),
-         i32(dk), i32(dv)], stream=stream)
+        [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *segments, i32(hk), i32(hv), i32(dk),
+         i32(dv)], stream=stream)
 
 
 def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float,
