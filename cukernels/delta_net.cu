@@ -58,6 +58,21 @@ __device__ __forceinline__ float* head_state(float* state, int slot, int num_v_h
   return state + (static_cast<long long>(slot) * num_v_heads + h) * dk * dv;
 }
 
+// Sequence b's new rows [start, start + length) and value head h's state in its slot (own), for a
+// delta-rule block; kh is the key head h reads.
+struct HeadSegment {
+  int start, length, kh;
+  bool cached;
+  float* own;
+};
+
+__device__ __forceinline__ HeadSegment head_segment(const Segments& seg, float* state, int b, int h, int num_k_heads,
+                                                    int num_v_heads, int dk, int dv) {
+  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
+  return {start, length, h / (num_v_heads / num_k_heads), seg.seq_lens[b] > length,
+          head_state(state, seg.state_slots[b], num_v_heads, h, dk, dv)};
+}
+
 // Writes the column to every snapshot of sequence b taken after `t` of its new tokens, from
 // snapshot row `next` on (the snapshot rows are by offset); returns the first row past them.
 template <int kRows>
@@ -158,10 +173,9 @@ __global__ void __launch_bounds__(kDeltaThreads)
   float (&s)[kRows] = column.s;
   const int j = column.j, row0 = column.row0;
   const bool valid = column.valid;
-  const int kh = h / (num_v_heads / num_k_heads);
-  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
-  float* own = head_state(state, seg.state_slots[b], num_v_heads, h, dk, dv);
-  column.load(own, seg.seq_lens[b] > length);
+  const HeadSegment head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, dk, dv);
+  const int kh = head.kh, start = head.start, length = head.length;
+  column.load(head.own, head.cached);
   const float scale = rsqrtf(static_cast<float>(dk));
   int next = seg.snapshot_start[b];
   for (int t = 0; t <= length; ++t) {
@@ -215,7 +229,7 @@ __global__ void __launch_bounds__(kDeltaThreads)
     for (int offset = 1; offset < kSplit; offset <<= 1) o += __shfl_xor_sync(kFullMask, o, offset);
     if (valid && row0 == 0) out[row * num_v_heads * dv + h * dv + j] = from_float<T>(o);
   }
-  column.store(own);
+  column.store(head.own);
 }
 
 // The same delta rule 64 tokens at a time in the WY form (backend/cpu/gdn.py's
@@ -258,10 +272,9 @@ __global__ void __launch_bounds__(2 * kChunkDv)
   float (&s)[kRows] = column.s;
   const int j = column.j, row0 = column.row0;
   const bool valid = column.valid;
-  const int kh = h / (num_v_heads / num_k_heads);
-  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
-  float* own = head_state(state, seg.state_slots[b], num_v_heads, h, dk, dv);
-  column.load(own, seg.seq_lens[b] > length);
+  const HeadSegment head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, dk, dv);
+  const int kh = head.kh, start = head.start, length = head.length;
+  column.load(head.own, head.cached);
   const float scale = rsqrtf(static_cast<float>(dk));
   int next = seg.snapshot_start[b];
   const int last_snapshot = seg.snapshot_start[b + 1];
@@ -371,7 +384,7 @@ __global__ void __launch_bounds__(2 * kChunkDv)
     }
     t0 += n;
   }
-  column.store(own);
+  column.store(head.own);
 }
 
 // out [T, N] = rmsnorm(x) * weight * silu(z) over each group of D = dim columns, with
