@@ -83,6 +83,22 @@ def test_staging_pads_the_rows_and_moves_only_the_steps_block_columns():
         stage_decode_inputs(host, DecodeLayout.for_bucket(8, 2), tokens, positions, meta)
 
 
+def test_a_hybrid_layout_stages_state_slots_with_padding_rows_on_the_spare_slot():
+    """A hybrid model's bucket keeps state_slots among the per-step arrays (one copy still moves
+    them all) and a snapshot_start after the constants; the dense arrays keep their offsets."""
+    rng = np.random.default_rng(4)
+    dense, hybrid = DecodeLayout.for_bucket(8, 5), DecodeLayout.for_bucket(8, 5, with_state=True)
+    assert hybrid.per_step_names == ("token_ids", "positions", "seq_lens", "slot_mapping", "state_slots")
+    assert hybrid.names[-1] == "snapshot_start" and hybrid.shapes[-1] == (9,)
+    assert all(dense.offset(n) == hybrid.offset(n) for n in dense.per_step_names)
+    host = np.full(hybrid.staged_bytes(8, 5), 0x7F, np.uint8)
+    positions, meta = decode_meta(rng, 3)
+    meta.state_slots = np.array([5, 0, 2], np.int32)
+    stage_decode_inputs(host, hybrid, rng.integers(0, 100, 3).astype(np.int32), positions, meta, padding_state_slot=9)
+    offset = hybrid.offset("state_slots")
+    np.testing.assert_array_equal(host[offset:offset + 32].view(np.int32), [5, 0, 2, 9, 9, 9, 9, 9])
+
+
 # ---- on the device ----
 
 @pytest.fixture
