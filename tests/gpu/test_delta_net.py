@@ -1,4 +1,4 @@
-"""The gated delta net's kernels (cukernels/delta_net.cu) against their numpy twins
+"""The gated delta net's kernels (cukernels/delta_net.cu, delta_rule.cu) against their numpy twins
 (backend/cpu/gdn.py, NumpyOps) on fresh random inputs: a step of three sequences of
 different lengths, one fresh and two continuing from the state their slots hold, with
 snapshots requested before the first token, mid-sequence and at the end.

@@ -1,6 +1,6 @@
-"""Launchers of the gated delta net's kernels (cukernels/delta_net.cu): the causal conv + SiLU,
-the decay / write gates, the delta rule over each sequence with its state slot, the gated
-RMSNorm, and x * sigmoid(gate). Each is the CUDA form of the `Ops` method of the same name
+"""Launchers of the gated delta net's kernels (cukernels/delta_net.cu and delta_rule.cu): the
+causal conv + SiLU, the decay / write gates, the delta rule over each sequence with its state
+slot, the gated RMSNorm, and x * sigmoid(gate). Each is the CUDA form of the `Ops` method of the same name
 (`backend/cpu/gdn.py` and `NumpyOps` are the twins).
 
 A step's sequences reach the conv and the delta rule through its CudaAttentionMetadata: the
@@ -20,6 +20,7 @@ from ..tensor import DeviceTensor
 from . import ELEMENT_TYPES, i32, require, require_contiguous, require_dtype, row_stride
 
 _SOURCE = "delta_net.cu"
+_RULE_SOURCE = "delta_rule.cu"  # both forms of the delta rule
 CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
 MAX_DK = (32, 64, 128)  # kMaxDk instantiations: a thread holds a column of dk state values
 _THREADS = 256
@@ -31,10 +32,10 @@ def _name(kernel: str, dtype: DType, *params) -> str:
 
 
 SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, w)) for t in ELEMENT_TYPES for w in CONV_WIDTHS]
-         + [KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", t, d)) for t in ELEMENT_TYPES for d in MAX_DK]
          + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
-            for k in ("chunked_delta_rule_kernel", "delta_net_gates_kernel", "gated_rmsnorm_kernel",
-                      "mul_sigmoid_kernel")])
+            for k in ("delta_net_gates_kernel", "gated_rmsnorm_kernel", "mul_sigmoid_kernel")]
+         + [KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", t, d)) for t in ELEMENT_TYPES for d in MAX_DK]
+         + [KernelSpec(_RULE_SOURCE, _name("chunked_delta_rule_kernel", t)) for t in ELEMENT_TYPES])
 # chunked_delta_rule_kernel: kChunk tokens a chunk, dk and dv up to kChunkDk / kChunkDv, its shared
 # memory chunk_smem_floats() floats (q and k rows padded by one).
 _CHUNK, _CHUNK_MAX_D = 64, 128
@@ -52,7 +53,8 @@ def snapshot_arrays(num_seqs: int, snapshots: np.ndarray | None) -> tuple[np.nda
 
 
 def _segment_args(attn: CudaAttentionMetadata) -> list:
-    """The six Segments arrays of delta_net.cu's kernels, from a hybrid step's metadata."""
+    """The six Segments arrays (delta_net_common.cuh) of the conv and delta-rule kernels, from a
+    hybrid step's metadata."""
     require(attn.state_slots is not None and attn.snapshot_start is not None,
             "a delta-net layer needs the step's state slots (AttentionMetadata.state_slots)")
     empty = np.uint64(0)  # no snapshots: the kernels never read past snapshot_start
@@ -138,12 +140,12 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
     require(form in FORMS and (form == "recurrent" or fits_chunks),
             f"form must be one of {FORMS} (chunked: dk and dv at most {_CHUNK_MAX_D}), got {form!r}")
     if form == "chunked":
-        get_kernel(KernelSpec(_SOURCE, _name("chunked_delta_rule_kernel", mixed_qkv.dtype))).launch(
+        get_kernel(KernelSpec(_RULE_SOURCE, _name("chunked_delta_rule_kernel", mixed_qkv.dtype))).launch(
             (hv, attn.num_seqs), 2 * _CHUNK_MAX_D,
             [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *segments, i32(hk), i32(hv), i32(dk),
              i32(dv)], shared_mem=_CHUNK_SMEM_BYTES, stream=stream)
         return
-    get_kernel(KernelSpec(_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
+    get_kernel(KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
         (hv, attn.num_seqs, -(-dv // columns)), threads,
         [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *segments, i32(hk), i32(hv), i32(dk),
          i32(dv)], stream=stream)

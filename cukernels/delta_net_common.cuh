@@ -1,0 +1,94 @@
+// What the gated delta net's kernels share (delta_net.cu: conv, gates, gated norm; delta_rule.cu:
+// the delta rule). The numpy twin is sparkd/backend/cpu/gdn.py, whose docstring states the
+// recurrence.
+//
+// Every kernel walks the step's sequences as the varlen attention does (Segments): sequence b
+// owns rows [query_start[b], query_start[b + 1]) of T, has seq_lens[b] - its query length cached
+// tokens before them, and its state at state_slots[b] of the pool (read only when it has cached
+// tokens: a fresh sequence starts from zeros). Snapshots: rows [snapshot_start[b],
+// snapshot_start[b + 1]) of snapshot_offsets / snapshot_slots, offsets ascending, ask for the
+// state after the sequence's first `offset` new tokens to be copied to that slot as well.
+#pragma once
+
+#include "common.cuh"
+
+namespace sparkd {
+
+// A step's sequences as the kernels read them (the kernels take the six arrays as arguments).
+struct Segments {
+  const int* query_start;       // [B + 1]
+  const int* seq_lens;          // [B]
+  const int* state_slots;       // [B]
+  const int* snapshot_start;    // [B + 1]
+  const int* snapshot_offsets;  // [S]
+  const int* snapshot_slots;    // [S]
+};
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// A thread's share of one value head's recurrent state S [dk, dv]: rows [row0, row0 + kRows) of
+// column j, in registers. valid is false for the threads past dv (they join the shuffles only).
+template <int kRows>
+struct StateColumn {
+  float s[kRows];
+  int row0, j, dk, dv;
+  bool valid;
+
+  __device__ __forceinline__ StateColumn(int row0_, int j_, int dk_, int dv_)
+      : row0(row0_), j(j_), dk(dk_), dv(dv_), valid(j_ < dv_) {}
+
+  // head: the head's [dk, dv] state in the pool; zeros for a sequence with no cached tokens.
+  __device__ __forceinline__ void load(const float* head, bool cached) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) s[r] = (cached && valid && row0 + r < dk) ? head[(row0 + r) * dv + j] : 0.f;
+  }
+
+  __device__ __forceinline__ void store(float* head) const {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (valid && row0 + r < dk) head[(row0 + r) * dv + j] = s[r];
+    }
+  }
+};
+
+// Value head h's [dk, dv] state in pool slot `slot`.
+__device__ __forceinline__ float* head_state(float* state, int slot, int num_v_heads, int h, int dk, int dv) {
+  return state + (static_cast<long long>(slot) * num_v_heads + h) * dk * dv;
+}
+
+// Sequence b's new rows [start, start + length) and value head h's state in its slot (own), for a
+// delta-rule block; kh is the key head h reads.
+struct HeadSegment {
+  int start, length, kh;
+  bool cached;
+  float* own;
+};
+
+__device__ __forceinline__ HeadSegment head_segment(const Segments& seg, float* state, int b, int h, int num_k_heads,
+                                                    int num_v_heads, int dk, int dv) {
+  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
+  return {start, length, h / (num_v_heads / num_k_heads), seg.seq_lens[b] > length,
+          head_state(state, seg.state_slots[b], num_v_heads, h, dk, dv)};
+}
+
+// head_segment for the column's head, with the column loaded from its slot.
+template <int kRows>
+__device__ __forceinline__ HeadSegment load_head(StateColumn<kRows>& column, const Segments& seg, float* state, int b,
+                                                 int h, int num_k_heads, int num_v_heads) {
+  const HeadSegment head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, column.dk, column.dv);
+  column.load(head.own, head.cached);
+  return head;
+}
+
+// Writes the column to every snapshot of sequence b taken after `t` of its new tokens, from
+// snapshot row `next` on (the snapshot rows are by offset); returns the first row past them.
+template <int kRows>
+__device__ __forceinline__ int store_snapshots(const StateColumn<kRows>& column, const Segments& seg, int b, int t,
+                                               int next, float* state, int num_v_heads, int h) {
+  for (; next < seg.snapshot_start[b + 1] && seg.snapshot_offsets[next] == t; ++next) {
+    column.store(head_state(state, seg.snapshot_slots[next], num_v_heads, h, column.dk, column.dv));
+  }
+  return next;
+}
+
+}  // namespace sparkd
