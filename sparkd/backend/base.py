@@ -155,6 +155,15 @@ class SampledTokens:
     result: Callable[[], SamplerOutput]
 
 
+def column_ranges(width: int, widths: Sequence[int]) -> list[tuple[int, int]]:
+    """`Ops.split_columns`' (start, stop) ranges of consecutive `widths` over `width` columns,
+    or a ValueError when they do not add up to it."""
+    if sum(widths) != width:
+        raise ValueError(f"column widths {list(widths)} do not add up to x's {width}")
+    bounds = np.cumsum([0, *widths]).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def pre_norm(ops: "Ops", x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """A decoder sublayer's input norm: (y, residual') as `Ops.add_rmsnorm`, or with no
     residual (the first layer's) (rmsnorm(x), x)."""

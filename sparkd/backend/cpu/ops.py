@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, pre_norm
+from ..base import (AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, column_ranges,
+                    pre_norm)
 from . import gdn
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from .moe import moe_experts, moe_route, silu_and_mul
@@ -141,10 +142,7 @@ class NumpyOps:
             recurrent_state[dst] = recurrent_state[src]
 
     def split_columns(self, x: np.ndarray, widths: Sequence[int]) -> list[np.ndarray]:
-        if sum(widths) != x.shape[1]:
-            raise ValueError(f"column widths {list(widths)} do not add up to x's {x.shape[1]}")
-        bounds = np.cumsum([0, *widths])
-        return [x[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return [x[:, lo:hi] for lo, hi in column_ranges(x.shape[1], widths)]
 
     def mul_sigmoid(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
         return x * gdn.sigmoid(gate)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from cuda.bindings import driver
 
-from ..base import DeltaNetShape
+from ..base import DeltaNetShape, column_ranges
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
 from .driver import call
@@ -39,10 +39,7 @@ class DeltaNetOps:
                      self.stream.handle)
 
     def split_columns(self, x: DeviceTensor, widths: Sequence[int]) -> list[DeviceTensor]:
-        if sum(widths) != x.shape[1]:
-            raise ValueError(f"column widths {list(widths)} do not add up to x's {x.shape[1]}")
-        bounds = np.cumsum([0, *widths]).tolist()
-        return [x.column_slice(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return [x.column_slice(lo, hi - lo) for lo, hi in column_ranges(x.shape[1], widths)]
 
     def mul_sigmoid(self, x: DeviceTensor, gate: DeviceTensor) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)
