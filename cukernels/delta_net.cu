@@ -1,6 +1,6 @@
 // The gated delta net's other kernels (Qwen3-Next's linear-attention layers): the causal conv
-// + SiLU, the decay and write gates, the gated RMSNorm and x * sigmoid(gate). Not yet run on a
-// GPU. The delta rule is in delta_rule.cu; shared parts and the sequence layout in
+// + SiLU, the decay and write gates, the gated RMSNorm and x * sigmoid(gate). The delta rule is
+// in delta_rule.cu and delta_rule_chunked.cu; shared parts and the sequence layout in
 // delta_net_common.cuh.
 #include "delta_net_common.cuh"
 
@@ -9,7 +9,12 @@ using namespace sparkd;
 // out [T, C] = silu(depthwise causal conv of x over each sequence's window and new tokens).
 // x: [T, C] at row stride ld_x; weight: [C, W]; conv_state: [slots, C, W - 1] float, left
 // holding each sequence's last W - 1 inputs (and each snapshot's window).
-// Launch: grid (ceil(C / blockDim.x), B), one thread per channel walking its sequence's tokens.
+// Launch: grid (ceil(C / blockDim.x), ceil(max query length / kConvTile), B): a thread per
+// (channel, tile of kConvTile tokens), its window read from x (or, before the first new token,
+// from the state). The first tile's blocks, the only ones that read the state, also write the
+// snapshots' windows and the state's, from x and what they read.
+constexpr int kConvTile = 64;
+
 template <typename T, int kWidth>
 __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restrict__ x, long long ld_x,
                                           const T* __restrict__ weight, float* __restrict__ conv_state,
@@ -18,36 +23,49 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
                                           const int* snapshot_slots, int channels) {
   constexpr int kWindow = kWidth - 1;
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
-  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
-  if (c >= channels) return;
-  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, tile = blockIdx.y, b = blockIdx.z;
+  const int start = seg.query_start[b], length = seg.query_start[b + 1] - start, t0 = tile * kConvTile;
+  if (c >= channels || (tile > 0 && t0 >= length)) return;
   const bool cached = seg.seq_lens[b] > length;
   float* own = conv_state + (static_cast<long long>(seg.state_slots[b]) * channels + c) * kWindow;
-  float w[kWidth], window[kWindow];
+  float w[kWidth], initial[kWindow];
 #pragma unroll
   for (int j = 0; j < kWidth; ++j) w[j] = to_float(weight[c * kWidth + j]);
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) window[j] = cached ? own[j] : 0.f;
-  int next = seg.snapshot_start[b];
-  const int last = seg.snapshot_start[b + 1];
-  for (int t = 0; t <= length; ++t) {
-    for (; next < last && seg.snapshot_offsets[next] == t; ++next) {
-      float* snap = conv_state + (static_cast<long long>(seg.snapshot_slots[next]) * channels + c) * kWindow;
+  for (int j = 0; j < kWindow; ++j) initial[j] = tile == 0 && cached ? own[j] : 0.f;
+  // The input at new-token offset t >= -kWindow (below 0: the cached window).
+  auto input = [&](int t) {
+    float value = 0.f;
 #pragma unroll
-      for (int j = 0; j < kWindow; ++j) snap[j] = window[j];
-    }
-    if (t == length) break;
-    const float input = to_float(x[(start + t) * ld_x + c]);
-    float acc = w[kWindow] * input;
+    for (int j = 0; j < kWindow; ++j) value = t == j - kWindow ? initial[j] : value;
+    return t >= 0 ? to_float(x[(start + t) * ld_x + c]) : value;
+  };
+  float window[kWindow];
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) window[j] = input(t0 - kWindow + j);
+  const int end = min(length, t0 + kConvTile);
+  for (int t = t0; t < end; ++t) {
+    const float in = to_float(x[(start + t) * ld_x + c]);
+    float acc = w[kWindow] * in;
 #pragma unroll
     for (int j = 0; j < kWindow; ++j) acc += w[j] * window[j];
     out[static_cast<long long>(start + t) * channels + c] = from_float<T>(silu(acc));
 #pragma unroll
     for (int j = 0; j + 1 < kWindow; ++j) window[j] = window[j + 1];
-    window[kWindow - 1] = input;
+    window[kWindow - 1] = in;
   }
+  if (tile > 0) return;
+  for (int next = seg.snapshot_start[b]; next < seg.snapshot_start[b + 1]; ++next) {
+    float* snap = conv_state + (static_cast<long long>(seg.snapshot_slots[next]) * channels + c) * kWindow;
+    const int t = seg.snapshot_offsets[next];
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) own[j] = window[j];
+    for (int j = 0; j < kWindow; ++j) snap[j] = input(t - kWindow + j);
+  }
+  float last[kWindow];
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) last[j] = input(length - kWindow + j);
+#pragma unroll
+  for (int j = 0; j < kWindow; ++j) own[j] = last[j];
 }
 
 // g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] at row stride ld,

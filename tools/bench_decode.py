@@ -212,7 +212,7 @@ def decode_forward_seconds(engine: LLMEngine, reps: int = 20) -> float:
     The step is then run for real, so the engine's books stay straight."""
     output = engine.schedule()
     runner = engine.runner
-    inputs = prepare_inputs(output.scheduled, runner.block_table, engine.args.block_size)
+    inputs = prepare_inputs(output.scheduled, runner.block_table, engine.args.block_size, runner.uses_state_slots)
     assert inputs.is_decode, "the next step is not a decode step"
 
     def forwards() -> None:

@@ -15,8 +15,8 @@ norm), its FLOPs (the projections and the chunked form's products) over the bf16
 The peer: transformers with its own torch delta rule (flash-linear-attention is not there), the
 default cache, eager, batch 1.
 
-The engine refuses Qwen3-Next on CUDA until its GPU tests pass (tests/gpu/test_qwen3_next_cuda.py);
-until then this reports only the layer row.
+Beside the layer row, the delta rule alone in each form on the same 8192 tokens, as a share of
+the layer's time.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from bench_peer import print_peer, transformers_decode  # noqa: E402
 
 from sparkd.backend.base import AttentionMetadata  # noqa: E402
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
+from sparkd.backend.dtypes import DType  # noqa: E402
 from sparkd.engine.args import EngineArgs  # noqa: E402
 from sparkd.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from sparkd.models.config import ModelConfig  # noqa: E402
@@ -143,6 +144,14 @@ def delta_net_layer_flops(config: ModelConfig, tokens: int, chunk: int = 64) -> 
     return projections + conv + hv * -(-tokens // chunk) * per_chunk
 
 
+def one_sequence_step(ops: CudaOps, tokens: int):
+    """The metadata of a step that computes one fresh `tokens`-token sequence into state slot 0."""
+    meta = AttentionMetadata(query_start_loc=np.array([0, tokens], np.int32), seq_lens=np.array([tokens], np.int32),
+                             block_tables=np.zeros((1, 1), np.int32), slot_mapping=np.full(tokens, -1, np.int32),
+                             max_query_len=tokens, max_seq_len=tokens, state_slots=np.zeros(1, np.int32))
+    return ops.prepare_attention(meta)
+
+
 def delta_net_layer_seconds(ops: CudaOps, config: ModelConfig, tokens: int) -> float:
     """The best of 3 forwards of a fresh delta net layer (its own weights and one state slot) on
     `tokens` tokens of one sequence."""
@@ -153,13 +162,28 @@ def delta_net_layer_seconds(ops: CudaOps, config: ModelConfig, tokens: int) -> f
     shape = config.delta_net_shape
     state = ops.allocate_linear_attention_state(1, 1, shape.conv_dim, config.linear_conv_kernel_dim, shape.num_v_heads,
                                                 shape.k_dim, shape.v_dim)[0]
-    meta = AttentionMetadata(query_start_loc=np.array([0, tokens], np.int32), seq_lens=np.array([tokens], np.int32),
-                             block_tables=np.zeros((1, 1), np.int32), slot_mapping=np.full(tokens, -1, np.int32),
-                             max_query_len=tokens, max_seq_len=tokens, state_slots=np.zeros(1, np.int32))
-    attn = ops.prepare_attention(meta)
+    attn = one_sequence_step(ops, tokens)
     x = make.matrix((tokens, config.hidden_size), 1)
     norm = make.filled(config.hidden_size, 1)
     return best_seconds(ops.stream, lambda: layer.forward(None, x, None, norm, attn, state), reps=3)
+
+
+def delta_rule_seconds(ops: CudaOps, config: ModelConfig, tokens: int, form: str) -> float:
+    """The best of 3 runs of the delta rule alone in `form` on one fresh `tokens`-token sequence
+    (random q, k, v; decay exp(-0.05) and write 0.5 a token)."""
+    from sparkd.backend.cuda.kernels import delta_net
+
+    shape = config.delta_net_shape
+    make = RandomDeviceWeights(ops.allocator, ops.stream, ops.dtype, seed=2)
+    mixed = make.matrix((tokens, shape.conv_dim), 1)
+    g, beta = (make.upload(np.full((tokens, shape.num_v_heads), value, np.float32), DType.float32)
+               for value in (-0.05, 0.5))
+    state = ops.zeros((1, shape.num_v_heads, shape.k_dim, shape.v_dim), DType.float32)
+    out = ops.allocator.empty((tokens, shape.num_v_heads * shape.v_dim), ops.dtype)
+    workspace = ops.allocator.empty((delta_net.chunk_workspace_floats(tokens, shape),), DType.float32)
+    attn = one_sequence_step(ops, tokens)
+    return best_seconds(ops.stream, lambda: delta_net.gated_delta_rule(out, mixed, g, beta, state, attn, shape,
+                                                                       ops.stream, form, workspace), reps=3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,11 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n| one gated delta net layer, {PREFILL_LEN}-token prefill | {seconds * 1e3:.2f} ms, {rate / 1e12:.1f} "
           f"TFLOP/s | {gemm_flops / 1e12:.0f} TFLOP/s | {rate / gemm_flops:.3f} | "
           f"{verdict(rate / gemm_flops, LAYER_PREFILL_GEMM)} |", flush=True)
-    try:
-        model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
-    except ValueError as refused:
-        print(f"\n# the engine rows are skipped: {refused}")
-        return 0
+    for form in ("chunked", "recurrent"):
+        rule = delta_rule_seconds(ops, config, PREFILL_LEN, form)
+        print(f"| its delta rule alone, {form} form | {rule * 1e3:.2f} ms, {100 * rule / seconds:.0f}% of the "
+              f"layer | | | |", flush=True)
+    model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, 0.0))
     served = print_engine_measures(model, cases, (PREFILL_LEN, 0.0, 3), args.steps, copy_rate, gemm_flops,
                                    np.random.default_rng(0))

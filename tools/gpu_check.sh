@@ -102,7 +102,7 @@ if [ "$PART" = all ] || [ "$PART" = models ]; then
     run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
 fi
 if [ "$PART" = all ] || [ "$PART" = new ]; then
-    # Issue 6: one delta-net layer's 8k prefill; the engine rows once the engine serves Qwen3-Next on CUDA.
+    # Issue 6: one delta-net layer's 8k prefill (and its delta rule alone), the engine rows, transformers.
     run_step bench_hybrid 150 python3 tools/bench_hybrid.py
     # The A/B of the batch-1 pre-norms inside the GEMVs (off by default until these say it wins).
     run_step bench_gemv_norm 60 python3 tools/bench_gemv_norm.py

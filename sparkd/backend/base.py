@@ -330,6 +330,11 @@ class Ops(Protocol):
         to other slots mid-sequence), shape a `DeltaNetShape` -> o [T, Hv dv] in mixed_qkv's
         dtype. q and k are L2-normalised inside, q scaled by dk^-0.5."""
 
+    def delta_rule_scratch_bytes(self, tokens: int, shape: Any) -> int:
+        """Scratch memory gated_delta_rule takes for a step of `tokens` rows beyond its output
+        (the activation reserve counts it); the numpy form takes none worth counting."""
+        return 0
+
     def gated_rmsnorm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
         """rmsnorm(x) * weight * silu(z) over each group of D = len(weight) columns (a head):
         x, z [T, N] (z's rows may be strided) -> [T, N] in x's dtype."""

@@ -107,9 +107,6 @@ class LLMEngine:
         self.model_config = cfg = self.model.config
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         hybrid = bool(cfg.linear_attention_layers)
-        if hybrid and self.ops.name != "cpu":
-            raise ValueError(f"{cfg.architecture}'s gated delta net kernels have not been validated on "
-                             f"{self.ops.name} yet: serve it with --device cpu")
         # A hybrid model's linear-attention state: one slot per sequence that can run at once, then
         # the prefix cache's snapshots of it (StateSnapshots). It comes out of the KV budget first.
         num_state_slots = args.max_num_seqs if hybrid else 0
@@ -205,7 +202,8 @@ class LLMEngine:
         the k (token, expert) pairs' hidden and fp32 output rows and the router logits); plus fp32 logits and the
         sampler's workspace for max_num_seqs rows, and the logits every decode graph
         keeps: one [bucket, V] block per batch-size bucket (1, 2, 4, then multiples of
-        8 up to max_num_seqs = n), at most n^2 / 16 + 3n / 2 + 7 rows in all."""
+        8 up to max_num_seqs = n), at most n^2 / 16 + 3n / 2 + 7 rows in all. A hybrid model's
+        delta nets add their in_proj and conv outputs and the delta rule's scratch."""
         cfg, args = self.model_config, self.args
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         per_token = 3 * cfg.intermediate_size + qkv_width + 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.hidden_size
@@ -213,6 +211,11 @@ class LLMEngine:
             k = cfg.num_experts_per_tok
             per_token += k * cfg.moe_intermediate_size + (2 * k * cfg.hidden_size + cfg.num_experts) * 4 // self.ops.dtype.itemsize
         activations = args.max_num_batched_tokens * per_token * self.ops.dtype.itemsize
+        if cfg.linear_attention_layers:  # a delta net's in_proj and conv outputs, its rule's scratch
+            shape = cfg.delta_net_shape
+            in_proj_width = shape.conv_dim + shape.num_v_heads * (shape.v_dim + 2)
+            activations += (args.max_num_batched_tokens * (in_proj_width + shape.conv_dim) * self.ops.dtype.itemsize
+                            + self.ops.delta_rule_scratch_bytes(args.max_num_batched_tokens, shape))
         n = args.max_num_seqs
         logits_rows = 2 * n + n * n // 16 + 3 * n // 2 + 7
         return int(_ALLOCATOR_ROUNDING * (activations + logits_rows * cfg.vocab_size * 4)) + _FIXED_RESERVE_BYTES

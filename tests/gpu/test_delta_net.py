@@ -108,8 +108,8 @@ def test_delta_net_gates_match_numpy(gpu, rel_error, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "qwen3-next"])
 @pytest.mark.parametrize("form", delta_net.FORMS)
 def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape, form):
-    """Both forms, each on every sequence of the step (the chunked one cut at the snapshots and
-    at 64 tokens: the 70-token sequence has chunks of 33 and 37)."""
+    """Both forms, each on every sequence of the step (the chunked one in 64-token chunks: the
+    70-token sequence's snapshot at 33 falls inside its first chunk)."""
     rng = np.random.default_rng(shape.k_dim)
     attn, segments, tokens = _attn(gpu)
     mixed, mixed_h = _held(gpu, rng.standard_normal((tokens, shape.conv_dim)), dtype)
@@ -118,8 +118,9 @@ def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape,
     initial = (0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim))).astype(np.float32)
     state = gpu.upload(initial)
     out = gpu.empty((tokens, shape.num_v_heads * shape.v_dim), dtype)
+    workspace = gpu.empty((delta_net.chunk_workspace_floats(tokens, shape),), "float32")
     delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, attn, shape, gpu.stream,
-                               form=form)
+                               form=form, workspace=workspace)
     expected_state = initial.copy()
     expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
@@ -176,8 +177,11 @@ def test_launchers_reject_what_the_kernels_cannot_run():
         delta_net.gated_delta_rule(fake_tensor((76, 256)), fake_tensor((76, wide.conv_dim)), fake_tensor((76, 1),
                                    "float32"), fake_tensor((76, 1), "float32"),
                                    fake_tensor((8, 1, 64, 256), "float32"), attn, wide, None, form="chunked")
+    with pytest.raises(ValueError, match="needs a contiguous float32 workspace of 32528 elements"):
+        delta_net.gated_delta_rule(out, mixed, g, beta, state, attn, shape, None, form="chunked")
     with pytest.raises(ValueError, match="dk must be at most 128"):
-        delta_net.gated_delta_rule(fake_tensor((76, 32)), fake_tensor((76, 544)), g, beta, state, attn,
+        delta_net.gated_delta_rule(fake_tensor((76, 32)), fake_tensor((76, 544)), fake_tensor((76, 1), "float32"),
+                                   fake_tensor((76, 1), "float32"), fake_tensor((8, 1, 256, 32), "float32"), attn,
                                    DeltaNetShape(1, 256, 1, 32), None)
     with pytest.raises(ValueError, match="conv width must be one of"):
         delta_net.causal_conv1d_silu(fake_tensor((76, 96)), fake_tensor((76, 96)), fake_tensor((96, 5)),

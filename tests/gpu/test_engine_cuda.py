@@ -162,14 +162,18 @@ def transformers_bf16_logits(path, sequences: list[list[int]]) -> np.ndarray:
 _MIXTRAL_BF16_BELOW_BAR = pytest.mark.xfail(strict=True, reason="Mixtral bf16 top-1 agreement is under 0.99 (issue 5)")
 
 
-# The engine refuses Qwen3-Next on CUDA until its kernels pass on a GPU; this test builds the model itself
-# (oracle.tiny_hybrid_overrides at head_dim 64). The tiny random hybrid is touchy: transformers' own bf16
-# agreed with the fp32 reference at 0.931 of these positions (CPU, 2026-12-01), so the bar may not hold.
+# Qwen3-Next (oracle.tiny_hybrid_overrides at head_dim 64): on the H200 (2026-12-01) sparkd agreed at 0.9458
+# and transformers' own bf16 at 0.9493. Random tiny hybrids amplify bf16 rounding (each delta net ~3x its
+# input's error, each MoE block's routing flips ~7x); transformers reaches 0.98 even with one delta net
+# and one attention layer (CPU), so the issue's 0.99 bar waits for a trained hybrid (issue 6).
+_QWEN3_NEXT_BF16_BELOW_BAR = pytest.mark.xfail(strict=True, reason="the tiny random Qwen3-Next's bf16 top-1 "
+                                               "agreement is under 0.99, transformers' own too (issue 6)")
 BF16_ARCHITECTURES = [*VARIANTS, "Qwen3NextForCausalLM"]
+_BELOW_BAR = {"MixtralForCausalLM": _MIXTRAL_BF16_BELOW_BAR, "Qwen3NextForCausalLM": _QWEN3_NEXT_BF16_BELOW_BAR}
 
 
-@pytest.mark.parametrize("arch", [pytest.param(arch, marks=_MIXTRAL_BF16_BELOW_BAR) if arch == "MixtralForCausalLM"
-                                  else arch for arch in BF16_ARCHITECTURES])
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=_BELOW_BAR[arch]) if arch in _BELOW_BAR else arch
+                                  for arch in BF16_ARCHITECTURES])
 def test_bf16_teacher_forced_top1_agrees_with_fp32(arch, tmp_path, cuda_ops_factory):
     """sparkd in bf16 must pick the fp32 reference's top-1 at >= 99% of teacher-forced
     positions (prefill and decode), and may flip a top-1 only where the fp32 margin is

@@ -60,9 +60,16 @@ class DeltaNetOps:
 
     def gated_delta_rule(self, mixed_qkv: DeviceTensor, g: DeviceTensor, beta: DeviceTensor, state: DeviceTensor,
                          attn: CudaAttentionMetadata, shape: DeltaNetShape) -> DeviceTensor:
-        out = self.allocator.empty((mixed_qkv.shape[0], shape.num_v_heads * shape.v_dim), mixed_qkv.dtype)
-        delta_net.gated_delta_rule(out, mixed_qkv, g, beta, state, attn, shape, self.stream)
+        tokens = mixed_qkv.shape[0]
+        out = self.allocator.empty((tokens, shape.num_v_heads * shape.v_dim), mixed_qkv.dtype)
+        form = delta_net.pick_form(attn, shape)
+        workspace = (self.allocator.empty((delta_net.chunk_workspace_floats(tokens, shape),), DType.float32)
+                     if form == "chunked" else None)
+        delta_net.gated_delta_rule(out, mixed_qkv, g, beta, state, attn, shape, self.stream, form, workspace)
         return out
+
+    def delta_rule_scratch_bytes(self, tokens: int, shape: DeltaNetShape) -> int:
+        return 4 * delta_net.chunk_workspace_floats(tokens, shape) if delta_net.chunked_fits(shape) else 0
 
     def gated_rmsnorm(self, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)

@@ -1,4 +1,5 @@
-"""Launchers of the gated delta net's kernels (cukernels/delta_net.cu and delta_rule.cu): the
+"""Launchers of the gated delta net's kernels (cukernels/delta_net.cu, delta_rule.cu and
+delta_rule_chunked.cu): the
 causal conv + SiLU, the decay / write gates, the delta rule over each sequence with its state
 slot, the gated RMSNorm, and x * sigmoid(gate). Each is the CUDA form of the `Ops` method of the same name
 (`backend/cpu/gdn.py` and `NumpyOps` are the twins).
@@ -20,8 +21,10 @@ from ..tensor import DeviceTensor
 from . import ELEMENT_TYPES, i32, require, require_contiguous, require_dtype, row_stride
 
 _SOURCE = "delta_net.cu"
-_RULE_SOURCE = "delta_rule.cu"  # both forms of the delta rule
+_RULE_SOURCE = "delta_rule.cu"  # the token-by-token form
+_CHUNKED_SOURCE = "delta_rule_chunked.cu"
 CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
+_CONV_TILE = 64  # kConvTile: tokens a conv thread walks
 MAX_DK = (32, 64, 128)  # kMaxDk instantiations: a thread holds a column of dk state values
 _THREADS = 256
 _DELTA_THREADS = 128  # kDeltaThreads
@@ -35,12 +38,34 @@ SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, w)) for t in
          + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
             for k in ("delta_net_gates_kernel", "gated_rmsnorm_kernel", "mul_sigmoid_kernel")]
          + [KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", t, d)) for t in ELEMENT_TYPES for d in MAX_DK]
-         + [KernelSpec(_RULE_SOURCE, _name("chunked_delta_rule_kernel", t)) for t in ELEMENT_TYPES])
-# chunked_delta_rule_kernel: kChunk tokens a chunk, dk and dv up to kChunkDk / kChunkDv, its shared
-# memory chunk_smem_floats() floats (q and k rows padded by one).
-_CHUNK, _CHUNK_MAX_D = 64, 128
-_CHUNK_SMEM_BYTES = 4 * (2 * _CHUNK * (_CHUNK_MAX_D + 1) + 2 * _CHUNK * _CHUNK_MAX_D + 2 * _CHUNK * (_CHUNK + 1) + 3 * _CHUNK)
+         + [KernelSpec(_CHUNKED_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
+            for k in ("delta_chunk_prepare_kernel", "delta_chunk_state_kernel")])
+# The chunked form: kChunk tokens a chunk, dk and dv up to kChunkD and multiples of 4; the state
+# kernel's blocks take kStateCols columns of a head's state each. Shared memory as the kernels
+# lay it out.
+_CHUNK, _CHUNK_MAX_D, _STATE_COLS = 64, 128, 32
+_PREPARE_THREADS, _STATE_THREADS = 2 * _CHUNK_MAX_D, 512
+_PREPARE_SMEM_BYTES = 4 * (2 * _CHUNK * (_CHUNK_MAX_D + 1) + _CHUNK * _CHUNK_MAX_D + 2 * _CHUNK)
+_STATE_SMEM_BYTES = 4 * (_CHUNK_MAX_D * _STATE_COLS + 3 * _CHUNK * _CHUNK_MAX_D + _CHUNK * _CHUNK
+                         + _CHUNK * _STATE_COLS + 3 * _CHUNK)
 FORMS = ("recurrent", "chunked")
+
+
+def chunked_fits(shape: DeltaNetShape) -> bool:
+    """Whether the chunked form takes these head sizes."""
+    return all(d <= _CHUNK_MAX_D and d % 4 == 0 for d in (shape.k_dim, shape.v_dim))
+
+
+def pick_form(attn: CudaAttentionMetadata, shape: DeltaNetShape) -> str:
+    """The chunked form for a step with a query longer than one token (prefill) where the head
+    sizes allow, else the token-by-token one (decode)."""
+    return "chunked" if attn.max_query_len > 1 and chunked_fits(shape) else "recurrent"
+
+
+def chunk_workspace_floats(tokens: int, shape: DeltaNetShape) -> int:
+    """float32 elements of the chunked form's workspace for a step of `tokens` rows: W, U, the
+    intra-chunk products, G and the two scales (delta_rule_chunked.cu's ChunkWorkspace)."""
+    return tokens * shape.num_v_heads * (shape.k_dim + shape.v_dim + _CHUNK + 3)
 
 
 def snapshot_arrays(num_seqs: int, snapshots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,7 +107,7 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     segments = _segment_args(attn)
     if tokens == 0:
         return
-    grid = (-(-channels // _THREADS), attn.num_seqs)
+    grid = (-(-channels // _THREADS), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
     get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, width))).launch(
         grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
         stream=stream)
@@ -109,22 +134,17 @@ def delta_net_gates(g: DeviceTensor, beta: DeviceTensor, a: DeviceTensor, b: Dev
 
 def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor, beta: DeviceTensor,
                      state: DeviceTensor, attn: CudaAttentionMetadata, shape: DeltaNetShape, stream: Stream,
-                     form: str | None = None) -> None:
+                     form: str = "recurrent", workspace: DeviceTensor | None = None) -> None:
     """out [T, Hv dv] (contiguous, mixed_qkv's dtype) = the delta rule over each of attn's
     sequences: mixed_qkv [T, 2 Hk dk + Hv dv] (rows may be spaced), g, beta [T, Hv] float32,
     state [slots, Hv, dk, dv] float32 (updated). form: "recurrent" (token by token) or
-    "chunked" (the WY form, dk and dv up to 128); by default chunked for a step with a query
-    longer than one token (prefill) where the head sizes allow, else recurrent (decode)."""
+    "chunked" (the WY form; `chunked_fits` the head sizes; workspace: chunk_workspace_floats(T,
+    shape) float32 elements, contiguous). `pick_form` says which suits a step."""
     hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
     tokens = mixed_qkv.shape[0]
     require(mixed_qkv.ndim == 2 and mixed_qkv.shape[1] == shape.conv_dim and mixed_qkv.strides[1] == 1,
             f"mixed_qkv must be [T, {shape.conv_dim}] with contiguous columns, got {mixed_qkv}")
     require(hv % hk == 0, f"value heads ({hv}) must be a multiple of key heads ({hk})")
-    max_dk = next((m for m in MAX_DK if m >= dk), None)
-    require(max_dk is not None, f"dk must be at most {MAX_DK[-1]}, got {dk}")
-    split = max(1, max_dk // 64)  # kSplit: threads sharing a state column
-    threads = min(_DELTA_THREADS, -(-dv * split // 32) * 32)
-    columns = threads // split
     require(out.shape == (tokens, hv * dv) and out.dtype is mixed_qkv.dtype and out.is_contiguous,
             f"out must be a contiguous [{tokens}, {hv * dv}] {mixed_qkv.dtype.name}")
     for name, tensor in (("g", g), ("beta", beta)):
@@ -132,23 +152,35 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
                 f"{name} must be a contiguous [{tokens}, {hv}] float32")
     require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.dtype is DType.float32
             and state.is_contiguous, f"state must be a contiguous [slots, {hv}, {dk}, {dv}] float32")
+    require(form in FORMS and (form == "recurrent" or chunked_fits(shape)),
+            f"form must be one of {FORMS} (chunked: dk and dv at most {_CHUNK_MAX_D}, multiples of 4), got {form!r}")
     segments = _segment_args(attn)
+    if form == "chunked":
+        require(row_stride(mixed_qkv) % 4 == 0 and mixed_qkv.ptr % 16 == 0,
+                "the chunked form reads mixed_qkv 4 elements at a time: its row stride a multiple of 4, 16-byte aligned")
+        floats = chunk_workspace_floats(tokens, shape)
+        require(workspace is not None and workspace.dtype is DType.float32 and workspace.is_contiguous
+                and workspace.numel >= floats, f"the chunked form needs a contiguous float32 workspace of {floats} elements")
     if tokens == 0:
         return
-    fits_chunks = dk <= _CHUNK_MAX_D and dv <= _CHUNK_MAX_D
-    form = form or ("chunked" if attn.max_query_len > 1 and fits_chunks else "recurrent")
-    require(form in FORMS and (form == "recurrent" or fits_chunks),
-            f"form must be one of {FORMS} (chunked: dk and dv at most {_CHUNK_MAX_D}), got {form!r}")
+    common = [mixed_qkv, np.int64(row_stride(mixed_qkv))]
     if form == "chunked":
-        get_kernel(KernelSpec(_RULE_SOURCE, _name("chunked_delta_rule_kernel", mixed_qkv.dtype))).launch(
-            (hv, attn.num_seqs), 2 * _CHUNK_MAX_D,
-            [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *segments, i32(hk), i32(hv), i32(dk),
-             i32(dv)], shared_mem=_CHUNK_SMEM_BYTES, stream=stream)
+        get_kernel(KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_prepare_kernel", mixed_qkv.dtype))).launch(
+            (-(-attn.max_query_len // _CHUNK), hv, attn.num_seqs), _PREPARE_THREADS,
+            [workspace, *common, g, beta, attn.query_start_loc, i32(tokens), i32(hk), i32(hv), i32(dk), i32(dv)],
+            shared_mem=_PREPARE_SMEM_BYTES, stream=stream)
+        get_kernel(KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_state_kernel", mixed_qkv.dtype))).launch(
+            (hv, attn.num_seqs, -(-dv // _STATE_COLS)), _STATE_THREADS,
+            [out, *common, workspace, state, *segments, i32(tokens), i32(hk), i32(hv), i32(dk), i32(dv)],
+            shared_mem=_STATE_SMEM_BYTES, stream=stream)
         return
+    max_dk = next((m for m in MAX_DK if m >= dk), None)
+    require(max_dk is not None, f"dk must be at most {MAX_DK[-1]}, got {dk}")
+    split = max(1, max_dk // 64)  # kSplit: threads sharing a state column
+    threads = min(_DELTA_THREADS, -(-dv * split // 32) * 32)
     get_kernel(KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
-        (hv, attn.num_seqs, -(-dv // columns)), threads,
-        [out, mixed_qkv, np.int64(row_stride(mixed_qkv)), g, beta, state, *segments, i32(hk), i32(hv), i32(dk),
-         i32(dv)], stream=stream)
+        (hv, attn.num_seqs, -(-dv // (threads // split))), threads,
+        [out, *common, g, beta, state, *segments, i32(hk), i32(hv), i32(dk), i32(dv)], stream=stream)
 
 
 def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float,

@@ -1,0 +1,393 @@
+// The gated delta rule over each sequence of a step in the chunked WY form (prefill), in two
+// kernels: every 64-token chunk of every sequence and value head is prepared at once
+// (delta_chunk_prepare_kernel), then one block per (sequence, value head, 32 state columns)
+// carries the state across its sequence's chunks (delta_chunk_state_kernel). Only the second
+// walks the chunks in order, and it holds no triangular solve. backend/cpu/gdn.py's
+// chunked_delta_rule states the form; delta_rule.cu has the token-by-token form.
+//
+// Per chunk of n <= 64 tokens, with G the chunk's inclusive cumsum of g and D[i, l] =
+// exp(G_i - G_l) for l <= i:
+//   A = strictly_lower((beta k) k^T * D), P = lower((q k^T) * D),
+//   U = (I + A)^-1 (beta v), W = (I + A)^-1 (beta k exp(G))            (prepare)
+//   v' = U - W S, o = (q exp(G)) S + P v',
+//   S <- exp(G_last) S + (k exp(G_last - G))^T v'                       (state)
+// v' is causal (row i reads rows <= i), so the state after any prefix of the chunk, a
+// snapshot's, is the last line with the prefix's rows.
+//
+// The workspace between the two (float32, rows are the step's T token rows): W [T, Hv, dk],
+// U [T, Hv, dv], P [T, Hv, 64] (row i of its chunk's P), then G, the q scale (dk^-0.5 over
+// |q|) and the k scale (1 / |k|), each [T, Hv]: T Hv (dk + dv + 67) floats
+// (kernels/delta_net.py's chunk_workspace_floats).
+#include "attention_common.cuh"  // cp.async
+#include "delta_net_common.cuh"
+
+using namespace sparkd;
+using attn::cp_async_16;
+using attn::cp_async_commit;
+using attn::cp_async_wait;
+
+constexpr int kChunk = 64;
+constexpr int kChunkD = 128;  // dk and dv at most
+constexpr int kPrepareThreads = 2 * kChunkD;
+constexpr int kStateCols = 32, kStateWarps = 16, kStateThreads = 32 * kStateWarps;
+
+struct ChunkWorkspace {
+  float *w, *u, *p, *cum, *q_scale, *k_scale;
+
+  __device__ __forceinline__ ChunkWorkspace(float* base, int tokens, int num_v_heads, int dk, int dv) {
+    const long long rows = static_cast<long long>(tokens) * num_v_heads;
+    w = base;
+    u = w + rows * dk;
+    p = u + rows * dv;
+    cum = p + rows * kChunk;
+    q_scale = cum + rows;
+    k_scale = q_scale + rows;
+  }
+};
+
+// A thread's share of rows [0, kChunk) x columns [0, kCols) of a row-major source (row i at
+// src + i * ld_src), in two steps so that several tiles' loads are in flight together: load()
+// into registers, zeros at rows >= n and columns >= width (a multiple of 4, as ld_src and src's
+// offset), then store() into dst[i * ld_dst + c] as floats.
+template <int kCols, int kThreads, typename T>
+struct ChunkRows {
+  static constexpr int kQuadsPerRow = kCols / 4, kPerThread = kChunk * kQuadsPerRow / kThreads;
+  static_assert(kChunk * kQuadsPerRow % kThreads == 0, "the tile splits evenly over the threads");
+  Pack<T, 4> quads[kPerThread];
+
+  __device__ __forceinline__ static int row(int m) { return (threadIdx.x + m * kThreads) / kQuadsPerRow; }
+  __device__ __forceinline__ static int col(int m) { return 4 * ((threadIdx.x + m * kThreads) % kQuadsPerRow); }
+
+  __device__ __forceinline__ void load(const T* src, long long ld_src, int n, int width) {
+#pragma unroll
+    for (int m = 0; m < kPerThread; ++m) {
+      if (row(m) < n && col(m) < width) {
+        quads[m] = *reinterpret_cast<const Pack<T, 4>*>(src + row(m) * ld_src + col(m));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) quads[m].v[e] = from_float<T>(0.f);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(float* dst, int ld_dst) const {
+#pragma unroll
+    for (int m = 0; m < kPerThread; ++m) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[row(m) * ld_dst + col(m) + e] = to_float(quads[m].v[e]);
+    }
+  }
+};
+
+// The same rows of a float32 source copied straight into shared memory (cp.async, zero-filled
+// past n and width); the caller commits and waits.
+template <int kCols, int kThreads>
+__device__ __forceinline__ void copy_chunk_rows_async(float* dst, int ld_dst, const float* src, long long ld_src, int n,
+                                                      int width) {
+  using Rows = ChunkRows<kCols, kThreads, float>;
+#pragma unroll
+  for (int m = 0; m < Rows::kPerThread; ++m) {
+    const int i = Rows::row(m), c = Rows::col(m);
+    const bool valid = i < n && c < width;
+    cp_async_16(dst + i * ld_dst + c, valid ? src + i * ld_src + c : src, valid);
+  }
+}
+
+// The chunk's q (then normalised and scaled), k (normalised), beta v and beta k exp(G), and A.
+// Grid (ceil(max query length / 64), Hv, B), kPrepareThreads threads; dynamic shared memory:
+// q (then A [kChunk][kChunk + 1]) and k [kChunk][kChunkD + 1], v [kChunk][kChunkD], G and beta
+// [kChunk] (the launcher's _PREPARE_SMEM_BYTES): two blocks fit an SM.
+template <typename T>
+__global__ void __launch_bounds__(kPrepareThreads)
+    delta_chunk_prepare_kernel(float* __restrict__ workspace, const T* __restrict__ mixed_qkv, long long ld_qkv,
+                               const float* __restrict__ g, const float* __restrict__ beta,
+                               const int* __restrict__ query_start, int tokens, int num_k_heads, int num_v_heads,
+                               int dk, int dv) {
+  extern __shared__ float smem[];
+  constexpr int kLd = kChunkD + 1;  // padded rows: a warp reading 32 rows' element k hits 32 banks
+  constexpr int kLdA = kChunk + 1;
+  float* q_s = smem;  // then A, once q is read
+  float* k_s = q_s + kChunk * kLd;
+  float* v_s = k_s + kChunk * kLd;
+  float* cum_s = v_s + kChunk * kChunkD;
+  float* beta_s = cum_s + kChunk;
+  float* a_s = q_s;
+
+  const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int start = query_start[b], t0 = blockIdx.x * kChunk, length = query_start[b + 1] - start;
+  if (t0 >= length) return;
+  const int n = min(kChunk, length - t0), kh = h / (num_v_heads / num_k_heads);
+  const long long row0 = static_cast<long long>(start) + t0;
+  const ChunkWorkspace ws(workspace, tokens, num_v_heads, dk, dv);
+
+  // Rows past n are zeros, so A, U and W are zero there and the solve needs no bound.
+  const T* qkv = mixed_qkv + row0 * ld_qkv;
+  ChunkRows<kChunkD, kPrepareThreads, T> q_rows, k_rows, v_rows;
+  q_rows.load(qkv + kh * dk, ld_qkv, n, dk);
+  k_rows.load(qkv + (num_k_heads + kh) * dk, ld_qkv, n, dk);
+  v_rows.load(qkv + 2 * num_k_heads * dk + h * dv, ld_qkv, n, dv);
+  if (tid < kChunk) {
+    beta_s[tid] = tid < n ? beta[(row0 + tid) * num_v_heads + h] : 0.f;
+    cum_s[tid] = tid < n ? g[(row0 + tid) * num_v_heads + h] : 0.f;
+  }
+  q_rows.store(q_s, kLd);
+  k_rows.store(k_s, kLd);
+  v_rows.store(v_s, kChunkD);
+  __syncthreads();
+  if (tid == 0) {  // summed in token order, as numpy's cumsum
+    for (int i = 1; i < kChunk; ++i) cum_s[i] += cum_s[i - 1];
+  }
+  // L2-normalise each row of q (and scale it by dk^-0.5) and of k: a warp per row.
+  const int lane = tid & 31, warp = tid / 32, num_warps = blockDim.x / 32;
+  for (int i = warp; i < 2 * n; i += num_warps) {
+    const bool is_q = i < n;
+    float* row = (is_q ? q_s : k_s) + (i % n) * kLd;
+    float sum = 0.f;
+    for (int c = lane; c < dk; c += 32) sum += row[c] * row[c];
+    sum = warp_reduce(sum, SumOp());
+    const float scale = (is_q ? rsqrtf(static_cast<float>(dk)) : 1.f) / sqrtf(sum + 1e-6f);
+    for (int c = lane; c < dk; c += 32) row[c] *= scale;
+    if (lane == 0) (is_q ? ws.q_scale : ws.k_scale)[(row0 + i % n) * num_v_heads + h] = scale;
+  }
+  __syncthreads();
+  if (tid < n) ws.cum[(row0 + tid) * num_v_heads + h] = cum_s[tid];
+  // A and P, 16 entries a thread: rows ti + 16 a, columns tl + 16 a' (strided, so that a warp's
+  // 16 columns read 16 banks). A then takes q's place.
+  {
+    const int ti = tid / 16, tl = tid % 16;
+    float kk[4][4] = {}, qk[4][4] = {};
+    for (int c = 0; c < dk; ++c) {
+      float qi[4], ki[4], kl[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        qi[a] = q_s[(ti + 16 * a) * kLd + c];
+        ki[a] = k_s[(ti + 16 * a) * kLd + c];
+        kl[a] = k_s[(tl + 16 * a) * kLd + c];
+      }
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          kk[a][e] += ki[a] * kl[e];
+          qk[a][e] += qi[a] * kl[e];
+        }
+      }
+    }
+    __syncthreads();  // q is read
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      const int i = ti + 16 * a;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int l = tl + 16 * e;
+        const float decay = l <= i ? expf(cum_s[i] - cum_s[l]) : 0.f;
+        a_s[i * kLdA + l] = l < i ? beta_s[i] * kk[a][e] * decay : 0.f;
+        if (i < n) ws.p[((row0 + i) * num_v_heads + h) * kChunk + l] = qk[a][e] * decay;
+      }
+    }
+  }
+  __syncthreads();
+  // Forward substitution, a thread per right-hand column (tid < kChunkD: U's column tid, of
+  // beta v; else W's column tid - kChunkD, of beta k exp(G)), the column in registers; two
+  // partial sums halve the dependent chain.
+  const bool is_u = tid < kChunkD;
+  const int col = is_u ? tid : tid - kChunkD;
+  if (col >= (is_u ? dv : dk)) return;
+  float x[kChunk];
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) x[i] = beta_s[i] * (is_u ? v_s[i * kChunkD + col] : k_s[i * kLd + col] * expf(cum_s[i]));
+#pragma unroll
+  for (int i = 1; i < kChunk; ++i) {
+    float even = x[i], odd = 0.f;
+#pragma unroll
+    for (int l = 0; l < i; ++l) {
+      if (l % 2 == 0) {
+        even -= a_s[i * kLdA + l] * x[l];
+      } else {
+        odd -= a_s[i * kLdA + l] * x[l];
+      }
+    }
+    x[i] = even + odd;
+  }
+  float* dst = is_u ? ws.u + h * dv + col : ws.w + h * dk + col;
+  const long long ld = static_cast<long long>(num_v_heads) * (is_u ? dv : dk);
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    if (i < n) dst[(row0 + i) * ld] = x[i];
+  }
+}
+
+// The state's columns [j0, j0 + 32) in shared memory, walked over the sequence's chunks: thread
+// (warp w of 16, lane c) owns column j0 + c at rows [8 w, 8 w + 8) for the update and computes
+// the chunk rows w + 16 m of v' and o. Grid (Hv, B, ceil(dv / 32)), kStateThreads threads; dk and dv
+// multiples of 4; dynamic shared memory: S [kChunkD][32], W, q and k as mixed_qkv holds them
+// [kChunk][kChunkD],
+// P [kChunk][kChunk], U then v' [kChunk][32], G, the decays and k's scales [kChunk]
+// (_STATE_SMEM_BYTES). dk, dv, the row stride of mixed_qkv multiples of 4.
+struct ChunkState {
+  float *s, *w, *q, *k, *p, *v, *cum, *decay, *k_scale;
+  int lane, warp, dk;
+
+  // The state after the chunk's first `count` tokens, at this thread's entries, into dst (row
+  // stride ld, column lane; dst may be s): needs decay[i] = exp(G_{count-1} - G_i), i < count
+  // (k holds k unnormalised, k_scale its scales).
+  __device__ __forceinline__ void advance(float* dst, int ld, bool valid, int count) const {
+    constexpr int kRows = kChunkD / kStateWarps;
+    const float scale = expf(cum[count - 1]);
+    float acc[kRows];
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) acc[m] = 0.f;
+    for (int i = 0; i < count; ++i) {
+      const float vd = v[i * kStateCols + lane] * (decay[i] * k_scale[i]);
+      const float4* k_row = reinterpret_cast<const float4*>(k + i * kChunkD + warp * kRows);
+#pragma unroll
+      for (int m = 0; m < kRows / 4; ++m) {
+        const float4 k4 = k_row[m];
+        acc[4 * m] += k4.x * vd;
+        acc[4 * m + 1] += k4.y * vd;
+        acc[4 * m + 2] += k4.z * vd;
+        acc[4 * m + 3] += k4.w * vd;
+      }
+    }
+    if (!valid) return;
+#pragma unroll
+    for (int m = 0; m < kRows; ++m) {
+      const int r = warp * kRows + m;
+      if (r < dk) dst[r * ld + lane] = scale * s[r * kStateCols + lane] + acc[m];
+    }
+  }
+
+  __device__ __forceinline__ void set_decays(int count) const {
+    if (threadIdx.x < count) decay[threadIdx.x] = expf(cum[count - 1] - cum[threadIdx.x]);
+  }
+};
+
+// Copies the block's columns of S (shared, [kChunkD][32]) into a head's [dk, dv] state.
+__device__ __forceinline__ void store_columns(float* head, const float* s, int j0, int dk, int dv) {
+  for (int idx = threadIdx.x; idx < dk * kStateCols; idx += blockDim.x) {
+    const int r = idx / kStateCols, c = idx % kStateCols;
+    if (j0 + c < dv) head[r * dv + j0 + c] = s[idx];
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kStateThreads)
+    delta_chunk_state_kernel(T* __restrict__ out, const T* __restrict__ mixed_qkv, long long ld_qkv,
+                             const float* __restrict__ workspace, float* __restrict__ state,
+                             const int* query_start, const int* seq_lens, const int* state_slots,
+                             const int* snapshot_start, const int* snapshot_offsets, const int* snapshot_slots,
+                             int tokens, int num_k_heads, int num_v_heads, int dk, int dv) {
+  extern __shared__ float smem[];
+  ChunkState cs;
+  cs.s = smem;
+  cs.w = cs.s + kChunkD * kStateCols;
+  cs.q = cs.w + kChunk * kChunkD;
+  cs.k = cs.q + kChunk * kChunkD;
+  cs.p = cs.k + kChunk * kChunkD;
+  cs.v = cs.p + kChunk * kChunk;
+  cs.cum = cs.v + kChunk * kStateCols;
+  cs.decay = cs.cum + kChunk;
+  cs.k_scale = cs.decay + kChunk;
+  cs.lane = threadIdx.x & 31;
+  cs.warp = threadIdx.x / 32;
+  cs.dk = dk;
+  const int tid = threadIdx.x, lane = cs.lane, warp = cs.warp;
+  constexpr int kRowsPerWarp = kChunk / kStateWarps;
+
+  const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
+  const int h = blockIdx.x, b = blockIdx.y, j0 = blockIdx.z * kStateCols, j = j0 + lane;
+  const HeadSegment head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, dk, dv);
+  const int kh = head.kh, start = head.start, length = head.length;
+  const ChunkWorkspace ws(const_cast<float*>(workspace), tokens, num_v_heads, dk, dv);
+  for (int idx = tid; idx < dk * kStateCols; idx += blockDim.x) {
+    const int r = idx / kStateCols, c = idx % kStateCols;
+    cs.s[idx] = head.cached && j0 + c < dv ? head.own[r * dv + j0 + c] : 0.f;
+  }
+  int next = seg.snapshot_start[b];
+  const int last_snapshot = seg.snapshot_start[b + 1];
+
+  for (int t0 = 0, n = 0;; t0 += n) {
+    __syncthreads();  // S is written; the previous chunk's arrays are read
+    for (; next < last_snapshot && seg.snapshot_offsets[next] == t0; ++next) {
+      store_columns(head_state(state, seg.snapshot_slots[next], num_v_heads, h, dk, dv), cs.s, j0, dk, dv);
+    }
+    if (t0 >= length) break;
+    n = min(kChunk, length - t0);
+    const long long row0 = static_cast<long long>(start) + t0;
+    // One round trip: W, P and U copied straight to shared memory, q and k through registers,
+    // G, q's factor (its scale times exp(G), in decay[] until the decays are set) and k's scale.
+    const long long head_row = row0 * num_v_heads + h;
+    copy_chunk_rows_async<kChunkD, kStateThreads>(cs.w, kChunkD, ws.w + head_row * dk, num_v_heads * dk, n, dk);
+    copy_chunk_rows_async<kChunk, kStateThreads>(cs.p, kChunk, ws.p + head_row * kChunk, num_v_heads * kChunk, n,
+                                                 kChunk);
+    copy_chunk_rows_async<kStateCols, kStateThreads>(cs.v, kStateCols, ws.u + head_row * dv + j0, num_v_heads * dv,
+                                                     n, min(kStateCols, dv - j0));
+    cp_async_commit();
+    const T* qkv = mixed_qkv + row0 * ld_qkv;
+    ChunkRows<kChunkD, kStateThreads, T> q_rows, k_rows;
+    q_rows.load(qkv + kh * dk, ld_qkv, n, dk);
+    k_rows.load(qkv + (num_k_heads + kh) * dk, ld_qkv, n, dk);
+    if (tid < kChunk) {
+      const long long at = (row0 + tid) * num_v_heads + h;
+      const float cum = tid < n ? ws.cum[at] : 0.f;
+      cs.cum[tid] = cum;
+      cs.decay[tid] = tid < n ? ws.q_scale[at] * expf(cum) : 0.f;
+      cs.k_scale[tid] = tid < n ? ws.k_scale[at] : 0.f;
+    }
+    q_rows.store(cs.q, kChunkD);
+    k_rows.store(cs.k, kChunkD);
+    cp_async_wait<0>();
+    __syncthreads();
+    // v' = U - W S and q S at rows warp + 16 m, column lane.
+    float ws_acc[kRowsPerWarp] = {}, qs_acc[kRowsPerWarp] = {};
+    for (int r = 0; r < dk; r += 4) {
+      const float s0 = cs.s[r * kStateCols + lane], s1 = cs.s[(r + 1) * kStateCols + lane];
+      const float s2 = cs.s[(r + 2) * kStateCols + lane], s3 = cs.s[(r + 3) * kStateCols + lane];
+#pragma unroll
+      for (int m = 0; m < kRowsPerWarp; ++m) {
+        const int i = warp + kStateWarps * m;
+        const float4 w4 = *reinterpret_cast<const float4*>(cs.w + i * kChunkD + r);
+        const float4 q4 = *reinterpret_cast<const float4*>(cs.q + i * kChunkD + r);
+        ws_acc[m] += w4.x * s0 + w4.y * s1 + w4.z * s2 + w4.w * s3;
+        qs_acc[m] += q4.x * s0 + q4.y * s1 + q4.z * s2 + q4.w * s3;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kRowsPerWarp; ++m) {
+      const int i = warp + kStateWarps * m;
+      cs.v[i * kStateCols + lane] -= ws_acc[m];
+      qs_acc[m] *= cs.decay[i];  // q's scale and exp(G)
+    }
+    __syncthreads();
+    // o = (q exp(G)) S + P v' (P is zero above its diagonal).
+    for (int l = 0; l < kChunk; l += 4) {
+      const float v0 = cs.v[l * kStateCols + lane], v1 = cs.v[(l + 1) * kStateCols + lane];
+      const float v2 = cs.v[(l + 2) * kStateCols + lane], v3 = cs.v[(l + 3) * kStateCols + lane];
+#pragma unroll
+      for (int m = 0; m < kRowsPerWarp; ++m) {
+        const float4 p4 = *reinterpret_cast<const float4*>(cs.p + (warp + kStateWarps * m) * kChunk + l);
+        qs_acc[m] += p4.x * v0 + p4.y * v1 + p4.z * v2 + p4.w * v3;
+      }
+    }
+    if (j < dv) {
+#pragma unroll
+      for (int m = 0; m < kRowsPerWarp; ++m) {
+        const int i = warp + kStateWarps * m;
+        if (i < n) out[(row0 + i) * num_v_heads * dv + h * dv + j] = from_float<T>(qs_acc[m]);
+      }
+    }
+    // Snapshots inside the chunk: the state after its first `offset - t0` tokens.
+    for (; next < last_snapshot && seg.snapshot_offsets[next] < t0 + n; ++next) {
+      const int count = seg.snapshot_offsets[next] - t0;
+      __syncthreads();  // the decays are read
+      cs.set_decays(count);
+      __syncthreads();
+      cs.advance(head_state(state, seg.snapshot_slots[next], num_v_heads, h, dk, dv) + j0, dv, j < dv, count);
+    }
+    __syncthreads();  // the decays are set (and a snapshot's are read)
+    cs.set_decays(n);
+    __syncthreads();
+    cs.advance(cs.s, kStateCols, true, n);
+  }
+  store_columns(head.own, cs.s, j0, dk, dv);
+}
