@@ -1,4 +1,4 @@
-"""The embedded demo model: shipped files, size budget, Qwen3 config, tokenizer, chat template,
+"""The embedded demo model: shipped files, size budget, Qwen3-Next config, tokenizer, chat template,
 and sparkd's numpy backend against transformers on the same weights."""
 
 from __future__ import annotations
@@ -33,32 +33,56 @@ def test_shipped_files_exist_within_16_mb():
     assert total <= 16 * 2**20, f"demo model is {total / 2**20:.1f} MiB, over the 16 MiB budget"
 
 
-def test_config_is_qwen3_and_weights_match_it():
+def test_config_is_qwen3_next_and_weights_match_it():
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.from_pretrained(DEMO_DIR)
-    assert config.model_type == "qwen3"
-    assert config.architectures == ["Qwen3ForCausalLM"]
+    assert config.model_type == "qwen3_next"
+    assert config.architectures == ["Qwen3NextForCausalLM"]
     assert config.tie_word_embeddings
-    hidden, head_dim = config.hidden_size, config.head_dim
+    # Every kernel family: gated delta nets and gated attention, experts in every layer.
+    assert set(config.layer_types) == {"linear_attention", "full_attention"}
+    assert config.num_experts > 1 and config.decoder_sparse_step == 1 and not config.mlp_only_layers
+    hidden, head_dim, experts = config.hidden_size, config.head_dim, config.num_experts
+    key_width = config.linear_num_key_heads * config.linear_key_head_dim
+    value_width = config.linear_num_value_heads * config.linear_value_head_dim
+    moe, shared = config.moe_intermediate_size, config.shared_expert_intermediate_size
     expected = {
         "model.embed_tokens.weight": (config.vocab_size, hidden),
         "model.norm.weight": (hidden,),
     }
-    for i in range(config.num_hidden_layers):
+    for i, kind in enumerate(config.layer_types):
         prefix = f"model.layers.{i}."
         expected |= {
-            prefix + "self_attn.q_proj.weight": (config.num_attention_heads * head_dim, hidden),
-            prefix + "self_attn.k_proj.weight": (config.num_key_value_heads * head_dim, hidden),
-            prefix + "self_attn.v_proj.weight": (config.num_key_value_heads * head_dim, hidden),
-            prefix + "self_attn.o_proj.weight": (hidden, config.num_attention_heads * head_dim),
-            prefix + "self_attn.q_norm.weight": (head_dim,),
-            prefix + "self_attn.k_norm.weight": (head_dim,),
-            prefix + "mlp.gate_proj.weight": (config.intermediate_size, hidden),
-            prefix + "mlp.up_proj.weight": (config.intermediate_size, hidden),
-            prefix + "mlp.down_proj.weight": (hidden, config.intermediate_size),
+            prefix + "mlp.gate.weight": (experts, hidden),
+            prefix + "mlp.experts.gate_up_proj": (experts, 2 * moe, hidden),
+            prefix + "mlp.experts.down_proj": (experts, hidden, moe),
+            prefix + "mlp.shared_expert.gate_proj.weight": (shared, hidden),
+            prefix + "mlp.shared_expert.up_proj.weight": (shared, hidden),
+            prefix + "mlp.shared_expert.down_proj.weight": (hidden, shared),
+            prefix + "mlp.shared_expert_gate.weight": (1, hidden),
             prefix + "input_layernorm.weight": (hidden,),
             prefix + "post_attention_layernorm.weight": (hidden,),
         }
+        if kind == "full_attention":  # q_proj holds each head's query and output gate
+            expected |= {
+                prefix + "self_attn.q_proj.weight": (2 * config.num_attention_heads * head_dim, hidden),
+                prefix + "self_attn.k_proj.weight": (config.num_key_value_heads * head_dim, hidden),
+                prefix + "self_attn.v_proj.weight": (config.num_key_value_heads * head_dim, hidden),
+                prefix + "self_attn.o_proj.weight": (hidden, config.num_attention_heads * head_dim),
+                prefix + "self_attn.q_norm.weight": (head_dim,),
+                prefix + "self_attn.k_norm.weight": (head_dim,),
+            }
+        else:
+            value_heads = config.linear_num_value_heads
+            expected |= {
+                prefix + "linear_attn.in_proj_qkvz.weight": (2 * key_width + 2 * value_width, hidden),
+                prefix + "linear_attn.in_proj_ba.weight": (2 * value_heads, hidden),
+                prefix + "linear_attn.conv1d.weight": (2 * key_width + value_width, 1, config.linear_conv_kernel_dim),
+                prefix + "linear_attn.A_log": (value_heads,),
+                prefix + "linear_attn.dt_bias": (value_heads,),
+                prefix + "linear_attn.norm.weight": (config.linear_value_head_dim,),
+                prefix + "linear_attn.out_proj.weight": (hidden, value_width),
+            }
     with safetensors.safe_open(DEMO_DIR / "model.safetensors", framework="numpy") as f:
         # numpy has no bf16: read the header's dtype and shape without materialising tensors.
         header = {name: f.get_slice(name) for name in f.keys()}

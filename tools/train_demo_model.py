@@ -1,4 +1,5 @@
-"""Train sparkd's embedded demo model: a tiny Qwen3 that has read the docs that ship with Python.
+"""Train sparkd's embedded demo model: a tiny Qwen3-Next-style hybrid (gated delta nets, gated
+attention, experts) that has read the docs that ship with Python.
 
 Dev-only (needs torch and transformers, the `test` extra). The run is reproducible: the corpus is
 built in a fixed order from this interpreter's own documentation, every random choice comes from
@@ -30,7 +31,7 @@ import pydoc_data.topics
 import safetensors.torch
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.utils.logging import disable_progress_bar
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,9 +70,15 @@ TOPIC_QUESTIONS = ("What is {}?", "Explain {}.", "Tell me about {}.", "Can you d
 API_QUESTIONS = ("What does `{}` do?", "Explain `{}`.", "How do I use `{}`?")
 MODULE_QUESTIONS = ("What is the `{}` module?", "What is `{}` for?", "Tell me about the `{}` module.")
 MAX_ANSWER_CHARS = 900
+# Qwen3-Next's 3:1 pattern once (three gated delta nets, then gated attention), every layer's MLP
+# eight experts (two a token) beside a shared one: the default `sparkd serve` runs all three
+# kernel families.
 MODEL_SHAPE = {
-    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "full_attention_interval": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "partial_rotary_factor": 0.25,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
 }
 PROPER_NOUNS = {"Python", "None", "True", "False", "Java"}
 COMPLETION_PROMPT = 'The "for" statement is used to'
@@ -176,13 +183,13 @@ def train_tokenizer(documents: list[str], vocab_size: int) -> Tokenizer:
 
 
 def model_config(tokenizer: Tokenizer) -> dict:
-    """config.json laid out as Qwen3-0.6B's, so any Qwen3 loader reads it."""
+    """config.json laid out as Qwen3-Next-80B-A3B's, so any Qwen3-Next loader reads it."""
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "torch_dtype": "bfloat16",
         "vocab_size": tokenizer.get_vocab_size(), **MODEL_SHAPE, "hidden_act": "silu",
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True, "initializer_range": 0.02,
-        "use_sliding_window": False, "sliding_window": None, "use_cache": True,
+        "use_cache": True,
         "bos_token_id": tokenizer.token_to_id(ENDOFTEXT), "eos_token_id": tokenizer.token_to_id(IM_END),
     }
 
@@ -191,7 +198,7 @@ def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def save_model_files(out: Path, config: dict, tokenizer: Tokenizer, model: Qwen3ForCausalLM) -> None:
+def save_model_files(out: Path, config: dict, tokenizer: Tokenizer, model: Qwen3NextForCausalLM) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", config)
     eos_ids = [tokenizer.token_to_id(IM_END), tokenizer.token_to_id(ENDOFTEXT)]
@@ -207,7 +214,7 @@ def save_model_files(out: Path, config: dict, tokenizer: Tokenizer, model: Qwen3
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     })
-    # lm_head is tied to the embedding, so (as in Qwen3-0.6B) only the embedding is stored.
+    # lm_head is tied to the embedding, so only the embedding is stored.
     weights = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in model.state_dict().items()}
     weights.pop("lm_head.weight")
     safetensors.torch.save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -244,7 +251,7 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model: Qwen3ForCausalLM, stream: np.ndarray, doc_starts: np.ndarray, args: argparse.Namespace) -> list[float]:
+def train(model: Qwen3NextForCausalLM, stream: np.ndarray, doc_starts: np.ndarray, args: argparse.Namespace) -> list[float]:
     """args.steps AdamW steps on windows of the stream; returns the loss of every step."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -358,7 +365,7 @@ def main() -> None:
     tokenizer = train_tokenizer(documents, args.vocab_size)
     stream, doc_starts = token_stream(documents, tokenizer)
     config = model_config(tokenizer)
-    model = Qwen3ForCausalLM(Qwen3Config(**config))
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**config))
     params = sum(p.numel() for p in model.parameters())
     print(f"{len(documents)} documents, {len(stream)} tokens, {params / 1e6:.2f}M parameters", flush=True)
     losses = train(model, stream, doc_starts, args)
