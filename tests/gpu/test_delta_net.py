@@ -24,7 +24,8 @@ DTYPES = ["float32", "bfloat16"]
 SEQUENCES = [(5, 0, 2), (1, 9, 0), (70, 3, 3)]
 SNAPSHOTS = np.array([(0, 5, 4), (2, 0, 5), (2, 33, 6), (2, 70, 7)], np.int32)
 NUM_SLOTS = 8
-SHAPES = [DeltaNetShape(2, 16, 4, 24), DeltaNetShape(2, 128, 4, 128)]
+# Tiny (dk != dv), the demo model's heads (dk = dv = 64: kMaxDk 64) and Qwen3-Next's (128).
+SHAPES = [DeltaNetShape(2, 16, 4, 24), DeltaNetShape(2, 64, 4, 64), DeltaNetShape(2, 128, 4, 128)]
 
 
 def _segments():
@@ -105,7 +106,7 @@ def test_delta_net_gates_match_numpy(gpu, rel_error, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "qwen3-next"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "demo", "qwen3-next"])
 @pytest.mark.parametrize("form", delta_net.FORMS)
 def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape, form):
     """Both forms, each on every sequence of the step (the chunked one in 64-token chunks: the
