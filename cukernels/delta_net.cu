@@ -7,7 +7,7 @@
 using namespace sparkd;
 
 // out [T, C] = silu(depthwise causal conv of x over each sequence's window and new tokens).
-// x: [T, C] at row stride ld_x; weight: [C, W]; conv_state: [slots, C, W - 1] float, left
+// x: [T, C] at row stride ld_x; weight: [C, W]; conv_state: [slots, C, W - 1] in S, left
 // holding each sequence's last W - 1 inputs (and each snapshot's window).
 // Launch: grid (ceil(C / blockDim.x), ceil(max query length / kConvTile), B): a thread per
 // (channel, tile of kConvTile tokens), its window read from x (or, before the first new token,
@@ -15,9 +15,9 @@ using namespace sparkd;
 // snapshots' windows and the state's, from x and what they read.
 constexpr int kConvTile = 64;
 
-template <typename T, int kWidth>
+template <typename T, typename S, int kWidth>
 __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restrict__ x, long long ld_x,
-                                          const T* __restrict__ weight, float* __restrict__ conv_state,
+                                          const T* __restrict__ weight, S* __restrict__ conv_state,
                                           const int* query_start, const int* seq_lens, const int* state_slots,
                                           const int* snapshot_start, const int* snapshot_offsets,
                                           const int* snapshot_slots, int channels) {
@@ -27,12 +27,12 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
   const int start = seg.query_start[b], length = seg.query_start[b + 1] - start, t0 = tile * kConvTile;
   if (c >= channels || (tile > 0 && t0 >= length)) return;
   const bool cached = seg.seq_lens[b] > length;
-  float* own = conv_state + (static_cast<long long>(seg.state_slots[b]) * channels + c) * kWindow;
+  S* own = conv_state + (static_cast<long long>(seg.state_slots[b]) * channels + c) * kWindow;
   float w[kWidth], initial[kWindow];
 #pragma unroll
   for (int j = 0; j < kWidth; ++j) w[j] = to_float(weight[c * kWidth + j]);
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) initial[j] = tile == 0 && cached ? own[j] : 0.f;
+  for (int j = 0; j < kWindow; ++j) initial[j] = tile == 0 && cached ? to_float(own[j]) : 0.f;
   // The input at new-token offset t >= -kWindow (below 0: the cached window).
   auto input = [&](int t) {
     float value = 0.f;
@@ -56,16 +56,16 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
   }
   if (tile > 0) return;
   for (int next = seg.snapshot_start[b]; next < seg.snapshot_start[b + 1]; ++next) {
-    float* snap = conv_state + (static_cast<long long>(seg.snapshot_slots[next]) * channels + c) * kWindow;
+    S* snap = conv_state + (static_cast<long long>(seg.snapshot_slots[next]) * channels + c) * kWindow;
     const int t = seg.snapshot_offsets[next];
 #pragma unroll
-    for (int j = 0; j < kWindow; ++j) snap[j] = input(t - kWindow + j);
+    for (int j = 0; j < kWindow; ++j) snap[j] = from_float<S>(input(t - kWindow + j));
   }
   float last[kWindow];
 #pragma unroll
   for (int j = 0; j < kWindow; ++j) last[j] = input(length - kWindow + j);
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) own[j] = last[j];
+  for (int j = 0; j < kWindow; ++j) own[j] = from_float<S>(last[j]);
 }
 
 // g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] at row stride ld,

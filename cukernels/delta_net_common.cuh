@@ -37,54 +37,62 @@ struct StateColumn {
   __device__ __forceinline__ StateColumn(int row0_, int j_, int dk_, int dv_)
       : row0(row0_), j(j_), dk(dk_), dv(dv_), valid(j_ < dv_) {}
 
-  // head: the head's [dk, dv] state in the pool; zeros for a sequence with no cached tokens.
-  __device__ __forceinline__ void load(const float* head, bool cached) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) s[r] = (cached && valid && row0 + r < dk) ? head[(row0 + r) * dv + j] : 0.f;
-  }
-
-  __device__ __forceinline__ void store(float* head) const {
+  // head: the head's [dk, dv] state in the pool (S: its storage type); zeros for a sequence with
+  // no cached tokens.
+  template <typename S>
+  __device__ __forceinline__ void load(const S* head, bool cached) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (valid && row0 + r < dk) head[(row0 + r) * dv + j] = s[r];
+      s[r] = (cached && valid && row0 + r < dk) ? to_float(head[(row0 + r) * dv + j]) : 0.f;
+    }
+  }
+
+  template <typename S>
+  __device__ __forceinline__ void store(S* head) const {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (valid && row0 + r < dk) head[(row0 + r) * dv + j] = from_float<S>(s[r]);
     }
   }
 };
 
 // Value head h's [dk, dv] state in pool slot `slot`.
-__device__ __forceinline__ float* head_state(float* state, int slot, int num_v_heads, int h, int dk, int dv) {
+template <typename S>
+__device__ __forceinline__ S* head_state(S* state, int slot, int num_v_heads, int h, int dk, int dv) {
   return state + (static_cast<long long>(slot) * num_v_heads + h) * dk * dv;
 }
 
 // Sequence b's new rows [start, start + length) and value head h's state in its slot (own), for a
 // delta-rule block; kh is the key head h reads.
+template <typename S>
 struct HeadSegment {
   int start, length, kh;
   bool cached;
-  float* own;
+  S* own;
 };
 
-__device__ __forceinline__ HeadSegment head_segment(const Segments& seg, float* state, int b, int h, int num_k_heads,
-                                                    int num_v_heads, int dk, int dv) {
+template <typename S>
+__device__ __forceinline__ HeadSegment<S> head_segment(const Segments& seg, S* state, int b, int h, int num_k_heads,
+                                                       int num_v_heads, int dk, int dv) {
   const int start = seg.query_start[b], length = seg.query_start[b + 1] - start;
   return {start, length, h / (num_v_heads / num_k_heads), seg.seq_lens[b] > length,
           head_state(state, seg.state_slots[b], num_v_heads, h, dk, dv)};
 }
 
 // head_segment for the column's head, with the column loaded from its slot.
-template <int kRows>
-__device__ __forceinline__ HeadSegment load_head(StateColumn<kRows>& column, const Segments& seg, float* state, int b,
-                                                 int h, int num_k_heads, int num_v_heads) {
-  const HeadSegment head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, column.dk, column.dv);
+template <int kRows, typename S>
+__device__ __forceinline__ HeadSegment<S> load_head(StateColumn<kRows>& column, const Segments& seg, S* state, int b,
+                                                    int h, int num_k_heads, int num_v_heads) {
+  const HeadSegment<S> head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, column.dk, column.dv);
   column.load(head.own, head.cached);
   return head;
 }
 
 // Writes the column to every snapshot of sequence b taken after `t` of its new tokens, from
 // snapshot row `next` on (the snapshot rows are by offset); returns the first row past them.
-template <int kRows>
+template <int kRows, typename S>
 __device__ __forceinline__ int store_snapshots(const StateColumn<kRows>& column, const Segments& seg, int b, int t,
-                                               int next, float* state, int num_v_heads, int h) {
+                                               int next, S* state, int num_v_heads, int h) {
   for (; next < seg.snapshot_start[b + 1] && seg.snapshot_offsets[next] == t; ++next) {
     column.store(head_state(state, seg.snapshot_slots[next], num_v_heads, h, column.dk, column.dv));
   }

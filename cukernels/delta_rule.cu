@@ -6,7 +6,8 @@
 using namespace sparkd;
 
 // o [T, Hv dv] = the gated delta rule over each sequence. mixed_qkv: [T, 2 Hk dk + Hv dv] =
-// [q | k | v] at row stride ld_qkv; g, beta [T, Hv] float; state [slots, Hv, dk, dv] float.
+// [q | k | v] at row stride ld_qkv; g, beta [T, Hv] float; state [slots, Hv, dk, dv] in S (float,
+// bf16 or fp16; computed in float, rounded to S where stored).
 // q and k are L2-normalised (eps 1e-6 inside the root, as flash-linear-attention), q scaled by
 // dk^-0.5; value head h reads key head h / (Hv / Hk).
 // Launch: grid (Hv, B, ceil(dv / columns)), blockDim.x = kSplit * columns <= kDeltaThreads, columns
@@ -14,10 +15,10 @@ using namespace sparkd;
 // S[:, j], in registers, kMaxDk / kSplit rows each (dk <= kMaxDk), and meet by shuffles.
 constexpr int kDeltaThreads = 128;
 
-template <typename T, int kMaxDk>
+template <typename T, typename S, int kMaxDk>
 __global__ void __launch_bounds__(kDeltaThreads)
     gated_delta_rule_kernel(T* __restrict__ out, const T* __restrict__ mixed_qkv, long long ld_qkv,
-                            const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
+                            const float* __restrict__ g, const float* __restrict__ beta, S* __restrict__ state,
                             const int* query_start, const int* seq_lens, const int* state_slots,
                             const int* snapshot_start, const int* snapshot_offsets, const int* snapshot_slots,
                             int num_k_heads, int num_v_heads, int dk, int dv) {
@@ -30,7 +31,7 @@ __global__ void __launch_bounds__(kDeltaThreads)
                             dk, dv);
   float (&s)[kRows] = column.s;
   const int j = column.j, row0 = column.row0;
-  const HeadSegment head = load_head(column, seg, state, b, h, num_k_heads, num_v_heads);
+  const HeadSegment<S> head = load_head(column, seg, state, b, h, num_k_heads, num_v_heads);
   const int kh = head.kh, start = head.start, length = head.length;
   int next = seg.snapshot_start[b];
   for (int t = 0; t <= length; ++t) {

@@ -229,9 +229,10 @@ struct ChunkState {
   int lane, warp, dk;
 
   // The state after the chunk's first `count` tokens, at this thread's entries, into dst (row
-  // stride ld, column lane; dst may be s): needs decay[i] = exp(G_{count-1} - G_i), i < count
-  // (k holds k unnormalised, k_scale its scales).
-  __device__ __forceinline__ void advance(float* dst, int ld, bool valid, int count) const {
+  // stride ld, column lane; dst may be s, or a slot in the pool's type D): needs decay[i] =
+  // exp(G_{count-1} - G_i), i < count (k holds k unnormalised, k_scale its scales).
+  template <typename D>
+  __device__ __forceinline__ void advance(D* dst, int ld, bool valid, int count) const {
     constexpr int kRows = kChunkD / kStateWarps;
     const float scale = expf(cum[count - 1]);
     float acc[kRows];
@@ -253,7 +254,7 @@ struct ChunkState {
 #pragma unroll
     for (int m = 0; m < kRows; ++m) {
       const int r = warp * kRows + m;
-      if (r < dk) dst[r * ld + lane] = scale * s[r * kStateCols + lane] + acc[m];
+      if (r < dk) dst[r * ld + lane] = from_float<D>(scale * s[r * kStateCols + lane] + acc[m]);
     }
   }
 
@@ -262,18 +263,19 @@ struct ChunkState {
   }
 };
 
-// Copies the block's columns of S (shared, [kChunkD][32]) into a head's [dk, dv] state.
-__device__ __forceinline__ void store_columns(float* head, const float* s, int j0, int dk, int dv) {
+// Copies the block's columns of S (shared, [kChunkD][32]) into a head's [dk, dv] state in the pool.
+template <typename S>
+__device__ __forceinline__ void store_columns(S* head, const float* s, int j0, int dk, int dv) {
   for (int idx = threadIdx.x; idx < dk * kStateCols; idx += blockDim.x) {
     const int r = idx / kStateCols, c = idx % kStateCols;
-    if (j0 + c < dv) head[r * dv + j0 + c] = s[idx];
+    if (j0 + c < dv) head[r * dv + j0 + c] = from_float<S>(s[idx]);
   }
 }
 
-template <typename T>
+template <typename T, typename S>
 __global__ void __launch_bounds__(kStateThreads)
     delta_chunk_state_kernel(T* __restrict__ out, const T* __restrict__ mixed_qkv, long long ld_qkv,
-                             const float* __restrict__ workspace, float* __restrict__ state,
+                             const float* __restrict__ workspace, S* __restrict__ state,
                              const int* query_start, const int* seq_lens, const int* state_slots,
                              const int* snapshot_start, const int* snapshot_offsets, const int* snapshot_slots,
                              int tokens, int num_k_heads, int num_v_heads, int dk, int dv) {
@@ -296,12 +298,12 @@ __global__ void __launch_bounds__(kStateThreads)
 
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
   const int h = blockIdx.x, b = blockIdx.y, j0 = blockIdx.z * kStateCols, j = j0 + lane;
-  const HeadSegment head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, dk, dv);
+  const HeadSegment<S> head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, dk, dv);
   const int kh = head.kh, start = head.start, length = head.length;
   const ChunkWorkspace ws(const_cast<float*>(workspace), tokens, num_v_heads, dk, dv);
   for (int idx = tid; idx < dk * kStateCols; idx += blockDim.x) {
     const int r = idx / kStateCols, c = idx % kStateCols;
-    cs.s[idx] = head.cached && j0 + c < dv ? head.own[r * dv + j0 + c] : 0.f;
+    cs.s[idx] = head.cached && j0 + c < dv ? to_float(head.own[r * dv + j0 + c]) : 0.f;
   }
   int next = seg.snapshot_start[b];
   const int last_snapshot = seg.snapshot_start[b + 1];

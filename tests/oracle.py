@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from sparkd.backend.base import AttentionMetadata
+from sparkd.backend.dtypes import DType
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -162,16 +163,17 @@ def num_kv_blocks(num_seqs: int, blocks_per_seq: int) -> int:
     return 1 + num_seqs * blocks_per_seq
 
 
-def layer_caches(model, num_seqs: int, num_slots: int, block_size: int, blocks_per_seq: int) -> list:
+def layer_caches(model, num_seqs: int, num_slots: int, block_size: int, blocks_per_seq: int,
+                 state_dtype: DType = DType.float32) -> list:
     """Per layer of `model` (on its own ops): KV caches for `step_inputs`' block layout, or for
-    a hybrid model's linear-attention layers a state pool of `num_slots` slots."""
+    a hybrid model's linear-attention layers a state pool of `num_slots` slots in state_dtype."""
     ops, c = model.ops, model.config
     shape = c.delta_net_shape
     kv = iter(ops.allocate_kv_cache(len(c.attention_layers), num_kv_blocks(num_seqs, blocks_per_seq), block_size,
                                     c.num_kv_heads, c.head_dim))
     states = iter(ops.allocate_linear_attention_state(len(c.linear_attention_layers), num_slots, shape.conv_dim,
                                                       c.linear_conv_kernel_dim, shape.num_v_heads, shape.k_dim,
-                                                      shape.v_dim) if c.linear_attention_layers else [])
+                                                      shape.v_dim, state_dtype) if c.linear_attention_layers else [])
     return [next(states) if c.is_linear_attention_layer(i) else next(kv) for i in range(c.num_layers)]
 
 

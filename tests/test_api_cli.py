@@ -29,7 +29,7 @@ def test_help_lists_the_commands_and_vllm_flags():
     out = sparkd_cli("serve", "--help")
     for flag in ("--model", "--served-model-name", "--host", "--port", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching",
-                 "--api-key", "--device", "--dtype", "--gpu-memory-utilization"):
+                 "--api-key", "--device", "--dtype", "--gpu-memory-utilization", "--mamba-cache-dtype"):
         assert flag in out.stdout
 
 
@@ -42,6 +42,7 @@ def test_kernels_build_is_a_subcommand():
     (["serve", "--block-size", "0"], "block_size must be positive"),
     (["serve", "--model", "/nonexistent/dir"], "no config.json"),
     (["generate", "--max-tokens", "0", "x"], "max_tokens must be"),
+    (["serve", "--mamba-cache-dtype", "int8"], "invalid choice: 'int8'"),
 ])
 def test_bad_flags_exit_with_a_message(args, message):
     out = sparkd_cli(*args)

@@ -16,6 +16,7 @@ import torch
 from sparkd import LLM, SamplingParams
 from sparkd.backend.cpu import gdn
 from sparkd.backend.cpu.ops import NumpyOps
+from sparkd.backend.dtypes import DType, round_to
 from sparkd.models.registry import load_model
 from tests.oracle import (hf_logits, layer_caches, make_prompts, make_tiny_checkpoint, step_inputs,
                           tiny_hybrid_overrides)
@@ -96,6 +97,30 @@ def test_a_fresh_sequence_ignores_what_its_slot_held(hybrid):
     np.testing.assert_array_equal(step_logits(model, dirty, [prompt], None, [0]), clean)
 
 
+@pytest.mark.parametrize("state_dtype", [DType.bfloat16, DType.float16])
+def test_a_reduced_precision_state_holds_that_dtype_and_stays_close(hybrid, state_dtype):
+    """--mamba-cache-dtype: a 100-token prompt in chunks of 7 (each chunk reads back the rounded
+    state) leaves the pool holding only values the dtype represents, and its logits move off the
+    float32 pool's by rounding only: measured max 1.7e-2 (bf16) and 8.1e-3 (fp16, its small
+    values subnormal), bound 5e-2."""
+    _, _, model = hybrid
+    prompt = np.random.default_rng(3).integers(3, model.config.vocab_size, 100).tolist()
+
+    def chunked(dtype: DType):
+        pool = layer_caches(model, 1, 4, BLOCK_SIZE, BLOCKS_PER_SEQ, dtype)
+        pieces = [step_logits(model, pool, [prompt[:end]], [start], [1])
+                  for start, end in ((s, min(s + 7, len(prompt))) for s in range(0, len(prompt), 7))]
+        return np.concatenate(pieces), pool
+
+    reduced, pool = chunked(state_dtype)
+    full, _ = chunked(DType.float32)
+    for layer in model.config.linear_attention_layers:
+        for state in pool[layer]:
+            np.testing.assert_array_equal(round_to(state, state_dtype), state)
+    err = np.abs(reduced - full).max(axis=-1) / np.abs(full).max(axis=-1)
+    assert 0 < err.max() <= 5e-2
+
+
 def test_recurrent_and_chunked_delta_rule_agree():
     rng = np.random.default_rng(6)
     length, heads, dk, dv = 150, 3, 16, 24
@@ -157,7 +182,7 @@ def test_greedy_matches_transformers(greedy_case, engine_args):
 
 
 def test_the_state_pool_comes_out_of_the_kv_budget(hybrid):
-    """A slot per --max-num-seqs sequence, four snapshots each and a spare, fp32 (24192 bytes a slot here:
+    """A slot per --max-num-seqs sequence, four snapshots each and a spare, fp32 by default (24192 bytes a slot here:
     three delta nets of a 160 x 3 conv window and a 4 x 16 x 24 state), come off
     --kv-cache-memory-gb before the KV blocks; a budget they fill is refused with a clear error."""
     path, _, _ = hybrid
@@ -169,6 +194,10 @@ def test_the_state_pool_comes_out_of_the_kv_budget(hybrid):
     assert llm.engine.scheduler.kv.pool.num_blocks == 100
     with pytest.raises(ValueError, match="linear-attention state pool"):
         LLM(str(path), device="cpu", max_num_seqs=8, max_model_len=512, kv_cache_memory_gb=state_bytes / 2**30)
+    # Held in bf16 (--mamba-cache-dtype), the pool takes half the bytes: the same budget leaves more blocks.
+    half = LLM(str(path), device="cpu", max_num_seqs=8, max_model_len=512, kv_cache_memory_gb=budget / 2**30,
+               mamba_cache_dtype="bfloat16")
+    assert half.engine.scheduler.kv.pool.num_blocks == 100 + state_bytes // 2 // block_bytes
 
 
 # ---- hybrid prefix caching ----

@@ -21,6 +21,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from .dtypes import DType
+
 Tensor = Any
 
 
@@ -194,9 +196,12 @@ class Ops(Protocol):
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in `self.dtype`, zeroed."""
 
     def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
-                                        num_v_heads: int, k_dim: int, v_dim: int) -> list[tuple[Tensor, Tensor]]:
+                                        num_v_heads: int, k_dim: int, v_dim: int,
+                                        state_dtype: DType = DType.float32) -> list[tuple[Tensor, Tensor]]:
         """Per linear-attention layer (conv_state [slots, C, W - 1], recurrent_state [slots, Hv, dk, dv]),
-        float32, zeroed: the state pool of a hybrid model, one slot per running sequence."""
+        zeroed: the state pool of a hybrid model, one slot per running sequence. state_dtype
+        (float32, bfloat16 or float16) is what the state is held in; the ops compute in float32
+        and round to it where they store."""
 
     def check_weights_fit(self, weight_bytes: int, gpu_memory_utilization: float) -> None:
         """ValueError naming both sizes when `weight_bytes` of weights cannot fit in device

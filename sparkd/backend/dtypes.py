@@ -53,3 +53,13 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def round_to(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 x with each value rounded to `dtype` (float32, float16 or bfloat16, to nearest even):
+    what storing it in that type and reading it back gives."""
+    if dtype is DType.float16:
+        return x.astype(np.float16).astype(np.float32)
+    if dtype is DType.bfloat16:
+        return bf16_bits_to_float32(float32_to_bf16_bits(x))
+    return x

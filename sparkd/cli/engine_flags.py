@@ -33,6 +33,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="fix the number of KV cache blocks (default: sized from memory)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb,
                        help="KV cache budget in GiB on the CPU backend (default: %(default)s)")
+    group.add_argument("--mamba-cache-dtype", choices=("float32", "bfloat16", "float16"),
+                       default=defaults.mamba_cache_dtype,
+                       help="a hybrid model's linear-attention state dtype (default: %(default)s)")
     group.add_argument("--seed", type=int, default=defaults.seed,
                        help="seed for requests that bring none (default: %(default)s)")
 
@@ -64,4 +67,5 @@ def engine_args_from(ns: argparse.Namespace, served_model_name: str | None = Non
         num_gpu_blocks_override=ns.num_gpu_blocks_override,
         kv_cache_memory_gb=ns.kv_cache_memory_gb,
         seed=ns.seed,
+        mamba_cache_dtype=ns.mamba_cache_dtype,
     )

@@ -12,6 +12,8 @@ class EngineArgs:
     kv_cache_memory_gb: CPU backend KV pool budget when no override is given.
     capture_graphs_at_startup: capture every decode graph before serving (False:
       each at its first use, so a capture failure fails the request that hit it).
+    mamba_cache_dtype: what a hybrid model's linear-attention state (conv windows and recurrent
+      state) is held in: float32 (default), bfloat16 or float16; computed in float32 either way.
     """
 
     model: str | None = None
@@ -28,12 +30,15 @@ class EngineArgs:
     kv_cache_memory_gb: float = 2.0
     seed: int = 0
     capture_graphs_at_startup: bool = True
+    mamba_cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.mamba_cache_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"mamba_cache_dtype must be float32, bfloat16 or float16, got {self.mamba_cache_dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..backend import create_backend
 from ..backend.base import Ops
+from ..backend.dtypes import DType
 from ..models.registry import load_model
 from ..models.safetensors_reader import checkpoint_numel
 from .args import EngineArgs
@@ -164,8 +165,10 @@ class LLMEngine:
             shape = cfg.delta_net_shape
             states = iter(ops.allocate_linear_attention_state(len(cfg.linear_attention_layers), num_state_slots,
                                                               shape.conv_dim, cfg.linear_conv_kernel_dim,
-                                                              shape.num_v_heads, shape.k_dim, shape.v_dim))
-            log.info("linear-attention state: %d slots of %.1f MiB", num_state_slots, self._state_slot_bytes() / 2**20)
+                                                              shape.num_v_heads, shape.k_dim, shape.v_dim,
+                                                              self._state_dtype))
+            log.info("linear-attention state: %d slots of %.1f MiB (%s)", num_state_slots,
+                     self._state_slot_bytes() / 2**20, self._state_dtype.name)
         return [next(states) if cfg.is_linear_attention_layer(i) else next(kv) for i in range(cfg.num_layers)]
 
     def _num_kv_blocks(self, state_bytes: int) -> int:
@@ -184,13 +187,17 @@ class LLMEngine:
                              f"--kv-cache-memory-gb {args.kv_cache_memory_gb}; lower --max-num-seqs or raise it")
         return max(1, min(wanted, budget // block_bytes))
 
+    @property
+    def _state_dtype(self) -> DType:
+        return DType.parse(self.args.mamba_cache_dtype)
+
     def _state_slot_bytes(self) -> int:
         """One slot of the linear-attention state over every delta-net layer: the conv window and
-        the recurrent state, fp32; 0 for a model without such layers."""
+        the recurrent state, in --mamba-cache-dtype; 0 for a model without such layers."""
         cfg = self.model_config
         shape = cfg.delta_net_shape
-        per_layer = 4 * (shape.conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0)
-                         + shape.num_v_heads * shape.k_dim * shape.v_dim)
+        per_layer = self._state_dtype.itemsize * (shape.conv_dim * max(cfg.linear_conv_kernel_dim - 1, 0)
+                                                  + shape.num_v_heads * shape.k_dim * shape.v_dim)
         return len(cfg.linear_attention_layers) * per_layer
 
     def _activation_reserve_bytes(self) -> int:

@@ -1,11 +1,12 @@
-"""The gated delta net's kernels (cukernels/delta_net.cu, delta_rule.cu) against their numpy twins
-(backend/cpu/gdn.py, NumpyOps) on fresh random inputs: a step of three sequences of
-different lengths, one fresh and two continuing from the state their slots hold, with
-snapshots requested before the first token, mid-sequence and at the end.
+"""The gated delta net's kernels (cukernels/delta_net.cu, delta_rule.cu, delta_rule_chunked.cu)
+against their numpy twins (backend/cpu/gdn.py, NumpyOps) on fresh random inputs: a step of three
+sequences of different lengths, one fresh and two continuing from the state their slots hold,
+with snapshots requested before the first token, mid-sequence and at the end.
 
 Relative error is max |a - b| / max |b|: <= 1e-5 in fp32, <= 1e-2 in bf16 (`tolerance`); the
-states (fp32 in every dtype) are held to the output's bound. The reference reads the inputs
-as the device holds them. The snapshot arrays' layout is checked without a GPU.
+states, held in float32 or bf16 whatever the activations' dtype, to the looser of the two
+bounds. The reference reads the inputs as the device holds them. The snapshot arrays' layout
+is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from sparkd.backend.base import DeltaNetShape
 from sparkd.backend.cpu import gdn
 from sparkd.backend.cpu.ops import NumpyOps
+from sparkd.backend.dtypes import DType
 
 delta_net = pytest.importorskip("sparkd.backend.cuda.kernels.delta_net")
 
@@ -73,19 +75,19 @@ def test_snapshot_arrays_are_by_sequence_then_offset():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [2, 4])
-def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, width):
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, width, state_dtype):
     rng = np.random.default_rng(width)
     attn, segments, tokens = _attn(gpu)
     channels = 96
     wide, wide_h = _held(gpu, rng.standard_normal((tokens, channels + 32)), dtype)  # x is a column range of it
     x = wide.column_slice(16, channels)
     weight, weight_h = _held(gpu, rng.standard_normal((channels, width)) / width, dtype)
-    window = rng.standard_normal((NUM_SLOTS, channels, width - 1)).astype(np.float32)
-    conv_state = gpu.upload(window)
+    conv_state, expected_state = _held(gpu, rng.standard_normal((NUM_SLOTS, channels, width - 1)), state_dtype)
     out = gpu.empty((tokens, channels), dtype)
     delta_net.causal_conv1d_silu(out, x, weight, conv_state, attn, gpu.stream)
-    expected_state = window.copy()
-    expected = gdn.causal_conv1d_silu(wide_h[:, 16:16 + channels], weight_h, expected_state, segments)
+    expected = gdn.causal_conv1d_silu(wide_h[:, 16:16 + channels], weight_h, expected_state, segments,
+                                      DType.parse(state_dtype))
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
     assert rel_error(gpu.download(conv_state), expected_state) <= 1e-6  # copies of held inputs: exact
 
@@ -108,24 +110,27 @@ def test_delta_net_gates_match_numpy(gpu, rel_error, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=["tiny", "demo", "qwen3-next"])
 @pytest.mark.parametrize("form", delta_net.FORMS)
-def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape, form):
+@pytest.mark.parametrize("state_dtype", DTYPES)
+def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape, form, state_dtype):
     """Both forms, each on every sequence of the step (the chunked one in 64-token chunks: the
-    70-token sequence's snapshot at 33 falls inside its first chunk)."""
+    70-token sequence's snapshot at 33 falls inside its first chunk), with the state held in
+    float32 or bf16 (rounded where stored, as the numpy twin rounds it)."""
     rng = np.random.default_rng(shape.k_dim)
     attn, segments, tokens = _attn(gpu)
     mixed, mixed_h = _held(gpu, rng.standard_normal((tokens, shape.conv_dim)), dtype)
     g_h = -np.abs(rng.standard_normal((tokens, shape.num_v_heads))).astype(np.float32)
     beta_h = rng.uniform(0, 1, (tokens, shape.num_v_heads)).astype(np.float32)
-    initial = (0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim))).astype(np.float32)
-    state = gpu.upload(initial)
+    state, initial = _held(gpu, 0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim)),
+                           state_dtype)
     out = gpu.empty((tokens, shape.num_v_heads * shape.v_dim), dtype)
     workspace = gpu.empty((delta_net.chunk_workspace_floats(tokens, shape),), "float32")
     delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, attn, shape, gpu.stream,
                                form=form, workspace=workspace)
     expected_state = initial.copy()
-    expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape)
-    assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
-    assert rel_error(gpu.download(state), expected_state) <= tolerance[dtype]
+    expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape, DType.parse(state_dtype))
+    bound = max(tolerance[dtype], tolerance[state_dtype])  # a bf16 state is rounded at every store
+    assert rel_error(gpu.download(out), expected) <= bound
+    assert rel_error(gpu.download(state), expected_state) <= bound
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base import DeltaNetShape
+from ..dtypes import DType, round_to
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6  # transformers' and flash-linear-attention's l2norm eps
@@ -42,13 +43,13 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
-                       segments: list[StateSegment]) -> np.ndarray:
+def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray, segments: list[StateSegment],
+                       state_dtype: DType = DType.float32) -> np.ndarray:
     """silu(depthwise causal conv of each segment's channels over its window and new tokens).
 
     x [T, C] (rows may be strided), weight [C, W], conv_state [slots, C, W - 1] (updated in
     place: the last W - 1 inputs of each segment, older ones from the window when the
-    segment is shorter) -> [T, C] float32."""
+    segment is shorter; rounded to state_dtype) -> [T, C] float32."""
     width = weight.shape[1]
     out = np.empty(x.shape, np.float32)
     for seg in segments:
@@ -57,9 +58,9 @@ def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray
         length = seg.stop - seg.start
         conv = sum(weight[:, j : j + 1] * inputs[:, j : j + length] for j in range(width))  # [C, L]
         out[seg.start:seg.stop] = conv.T
-        conv_state[seg.slot] = inputs[:, -(width - 1):]
-        for offset, slot in seg.snapshots:
-            conv_state[slot] = inputs[:, offset : offset + width - 1]  # the window after `offset` tokens
+        conv_state[seg.slot] = round_to(inputs[:, -(width - 1):], state_dtype)
+        for offset, slot in seg.snapshots:  # the window after `offset` tokens
+            conv_state[slot] = round_to(inputs[:, offset : offset + width - 1], state_dtype)
     return out * sigmoid(out)
 
 
@@ -68,11 +69,13 @@ def l2norm(x: np.ndarray) -> np.ndarray:
 
 
 def gated_delta_rule(mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
-                     segments: list[StateSegment], shape: DeltaNetShape) -> np.ndarray:
+                     segments: list[StateSegment], shape: DeltaNetShape,
+                     state_dtype: DType = DType.float32) -> np.ndarray:
     """The delta rule over each segment, from its slot's state (zeros with no cached tokens).
 
     mixed_qkv [T, C] = [q (Hk dk) | k (Hk dk) | v (Hv dv)] (the conv's output), g, beta [T, Hv]
-    float32, state [slots, Hv, dk, dv] float32 (updated in place) -> o [T, Hv dv] float32.
+    float32, state [slots, Hv, dk, dv] float32 (updated in place, what it stores rounded to
+    state_dtype; a segment runs on in float32 past its snapshots) -> o [T, Hv dv] float32.
     Segments of one token run the recurrent form, longer ones the chunked form."""
     hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
     tokens = mixed_qkv.shape[0]
@@ -93,8 +96,8 @@ def gated_delta_rule(mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, sta
                 out[lo:hi], current = run(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], current)
             for offset, slot in seg.snapshots:
                 if seg.start + offset == hi:
-                    state[slot] = current
-        state[seg.slot] = current
+                    state[slot] = round_to(current, state_dtype)
+        state[seg.slot] = round_to(current, state_dtype)
     return out.reshape(tokens, hv * dv)
 
 

@@ -25,9 +25,10 @@ class DeltaNetOps:
     """Mixed into CudaOps: needs self.allocator, self.stream and self.zeros."""
 
     def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
-                                        num_v_heads: int, k_dim: int, v_dim: int) -> list[tuple[DeviceTensor, DeviceTensor]]:
-        return [(self.zeros((num_slots, conv_dim, conv_width - 1), DType.float32),
-                 self.zeros((num_slots, num_v_heads, k_dim, v_dim), DType.float32)) for _ in range(num_layers)]
+                                        num_v_heads: int, k_dim: int, v_dim: int, state_dtype: DType = DType.float32
+                                        ) -> list[tuple[DeviceTensor, DeviceTensor]]:
+        return [(self.zeros((num_slots, conv_dim, conv_width - 1), state_dtype),
+                 self.zeros((num_slots, num_v_heads, k_dim, v_dim), state_dtype)) for _ in range(num_layers)]
 
     def copy_state_slots_(self, states: list[tuple[DeviceTensor, DeviceTensor]], src: np.ndarray,
                           dst: np.ndarray) -> None:

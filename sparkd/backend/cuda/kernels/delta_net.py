@@ -30,16 +30,23 @@ _THREADS = 256
 _DELTA_THREADS = 128  # kDeltaThreads
 
 
-def _name(kernel: str, dtype: DType, *params) -> str:
-    return f"{kernel}<{', '.join([dtype.c_type, *map(str, params)])}>"
+def _name(kernel: str, *params) -> str:
+    """kernel<params>: dtypes as their C types."""
+    return f"{kernel}<{', '.join(p.c_type if isinstance(p, DType) else str(p) for p in params)}>"
 
 
-SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, w)) for t in ELEMENT_TYPES for w in CONV_WIDTHS]
+# The linear-attention state (conv windows and recurrent state) is held in one of these (STATE_TYPES,
+# the kernels' S) and computed in float32 whatever it is.
+STATE_TYPES = ELEMENT_TYPES
+SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, s, w)) for t in ELEMENT_TYPES
+          for s in STATE_TYPES for w in CONV_WIDTHS]
          + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
             for k in ("delta_net_gates_kernel", "gated_rmsnorm_kernel", "mul_sigmoid_kernel")]
-         + [KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", t, d)) for t in ELEMENT_TYPES for d in MAX_DK]
-         + [KernelSpec(_CHUNKED_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
-            for k in ("delta_chunk_prepare_kernel", "delta_chunk_state_kernel")])
+         + [KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", t, s, d)) for t in ELEMENT_TYPES
+            for s in STATE_TYPES for d in MAX_DK]
+         + [KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_prepare_kernel", t)) for t in ELEMENT_TYPES]
+         + [KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_state_kernel", t, s)) for t in ELEMENT_TYPES
+            for s in STATE_TYPES])
 # The chunked form: kChunk tokens a chunk, dk and dv up to kChunkD and multiples of 4; the state
 # kernel's blocks take kStateCols columns of a head's state each. Shared memory as the kernels
 # lay it out.
@@ -91,7 +98,8 @@ def _segment_args(attn: CudaAttentionMetadata) -> list:
 def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
                        attn: CudaAttentionMetadata, stream: Stream) -> None:
     """out [T, C] (contiguous, x's dtype) = silu(causal conv of x [T, C] (rows may be spaced) by
-    weight [C, W]) along each of attn's sequences; conv_state [slots, C, W - 1] float32, updated."""
+    weight [C, W]) along each of attn's sequences; conv_state [slots, C, W - 1] in one of
+    STATE_TYPES, updated."""
     require(x.ndim == 2 and weight.ndim == 2 and weight.shape[0] == x.shape[1],
             f"x must be [T, C] and weight [C, W], got {x.shape} and {weight.shape}")
     tokens, channels = x.shape
@@ -101,14 +109,15 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     require_dtype("x", x, *ELEMENT_TYPES)
     require(out.shape == x.shape and out.dtype is x.dtype, f"out must be {x.shape} {x.dtype.name}, got {out}")
     require_contiguous("out", out)
-    require(conv_state.ndim == 3 and conv_state.shape[1:] == (channels, width - 1)
-            and conv_state.dtype is DType.float32, f"conv_state must be [slots, {channels}, {width - 1}] float32")
+    require(conv_state.ndim == 3 and conv_state.shape[1:] == (channels, width - 1),
+            f"conv_state must be [slots, {channels}, {width - 1}], got {conv_state.shape}")
+    require_dtype("conv_state", conv_state, *STATE_TYPES)
     require_contiguous("conv_state", conv_state)
     segments = _segment_args(attn)
     if tokens == 0:
         return
     grid = (-(-channels // _THREADS), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
-    get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, width))).launch(
+    get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width))).launch(
         grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
         stream=stream)
 
@@ -137,7 +146,7 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
                      form: str = "recurrent", workspace: DeviceTensor | None = None) -> None:
     """out [T, Hv dv] (contiguous, mixed_qkv's dtype) = the delta rule over each of attn's
     sequences: mixed_qkv [T, 2 Hk dk + Hv dv] (rows may be spaced), g, beta [T, Hv] float32,
-    state [slots, Hv, dk, dv] float32 (updated). form: "recurrent" (token by token) or
+    state [slots, Hv, dk, dv] in one of STATE_TYPES (updated). form: "recurrent" (token by token) or
     "chunked" (the WY form; `chunked_fits` the head sizes; workspace: chunk_workspace_floats(T,
     shape) float32 elements, contiguous). `pick_form` says which suits a step."""
     hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
@@ -150,8 +159,9 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
     for name, tensor in (("g", g), ("beta", beta)):
         require(tensor.shape == (tokens, hv) and tensor.dtype is DType.float32 and tensor.is_contiguous,
                 f"{name} must be a contiguous [{tokens}, {hv}] float32")
-    require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.dtype is DType.float32
-            and state.is_contiguous, f"state must be a contiguous [slots, {hv}, {dk}, {dv}] float32")
+    require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.is_contiguous,
+            f"state must be a contiguous [slots, {hv}, {dk}, {dv}], got {state}")
+    require_dtype("state", state, *STATE_TYPES)
     require(form in FORMS and (form == "recurrent" or chunked_fits(shape)),
             f"form must be one of {FORMS} (chunked: dk and dv at most {_CHUNK_MAX_D}, multiples of 4), got {form!r}")
     segments = _segment_args(attn)
@@ -169,7 +179,7 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
             (-(-attn.max_query_len // _CHUNK), hv, attn.num_seqs), _PREPARE_THREADS,
             [workspace, *common, g, beta, attn.query_start_loc, i32(tokens), i32(hk), i32(hv), i32(dk), i32(dv)],
             shared_mem=_PREPARE_SMEM_BYTES, stream=stream)
-        get_kernel(KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_state_kernel", mixed_qkv.dtype))).launch(
+        get_kernel(KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_state_kernel", mixed_qkv.dtype, state.dtype))).launch(
             (hv, attn.num_seqs, -(-dv // _STATE_COLS)), _STATE_THREADS,
             [out, *common, workspace, state, *segments, i32(tokens), i32(hk), i32(hv), i32(dk), i32(dv)],
             shared_mem=_STATE_SMEM_BYTES, stream=stream)
@@ -178,7 +188,7 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
     require(max_dk is not None, f"dk must be at most {MAX_DK[-1]}, got {dk}")
     split = max(1, max_dk // 64)  # kSplit: threads sharing a state column
     threads = min(_DELTA_THREADS, -(-dv * split // 32) * 32)
-    get_kernel(KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, max_dk))).launch(
+    get_kernel(KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, state.dtype, max_dk))).launch(
         (hv, attn.num_seqs, -(-dv // (threads // split))), threads,
         [out, *common, g, beta, state, *segments, i32(hk), i32(hv), i32(dk), i32(dv)], stream=stream)
 
