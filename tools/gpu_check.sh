@@ -10,8 +10,8 @@
 set -uo pipefail
 
 # PART: all (default), or tests (up to the GPU tests, plus the kernel benchmarks), models
-# (the GEMM table and the whole-model benchmarks) or new (the hybrid benchmark and the A/B of
-# the fused batch-1 norms), each of which fits one 10-minute device call.
+# (the GEMM table and the whole-model benchmarks) or new (the hybrid benchmarks), each of which
+# fits one 10-minute device call.
 if [ $# -lt 1 ] || [ $# -gt 2 ] || ! [[ ${2:-all} =~ ^(all|tests|models|new)$ ]]; then
     echo "usage: $0 OUTDIR [all|tests|models|new]" >&2
     exit 2
@@ -102,13 +102,10 @@ if [ "$PART" = all ] || [ "$PART" = models ]; then
     run_step bench_moe 130 python3 tools/bench_moe.py --layers 24
 fi
 if [ "$PART" = all ] || [ "$PART" = new ]; then
-    # Issue 6: one delta-net layer's 8k prefill (and its delta rule alone), the engine rows, transformers.
+    # Issue 6: one delta-net layer's 8k prefill (and its delta rule alone), the engine rows, transformers;
+    # then one layer's batch-1 decode part by part against the copy rate.
     run_step bench_hybrid 150 python3 tools/bench_hybrid.py
-    # The A/B of the batch-1 pre-norms inside the GEMVs (off by default until these say it wins).
-    run_step bench_gemv_norm 60 python3 tools/bench_gemv_norm.py
-    run_step bench_decode_fused_norms 100 python3 tools/bench_decode.py --no-transformers --fused-norms
-    run_step bench_decode_norm_kernels 100 python3 tools/bench_decode.py --no-transformers
-    run_step bench_moe_fused_norms 100 python3 tools/bench_moe.py --layers 24 --no-transformers --fused-norms
+    run_step bench_hybrid_decode_parts 60 python3 tools/bench_hybrid_decode_parts.py
 fi
 
 cp "$SPARKD_CACHE_DIR"/gemm/*.json "$OUT"/ 2>/dev/null

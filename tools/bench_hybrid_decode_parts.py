@@ -1,0 +1,107 @@
+"""One Qwen3-Next-80B-A3B-shaped layer's batch-1 decode, part by part, against the copy rate
+(issue 6): where a hybrid decode step spends the time its bytes do not explain.
+
+  python tools/bench_hybrid_decode_parts.py
+
+A gated delta net layer (its mixer, then its MoE block) on one token of a sequence with 128
+cached tokens, in state slot 0, bf16 random weights made on the device. Each part is timed as
+a CUDA graph of ITERS back-to-back calls (device time, as a decode graph replays it: no host
+launch cost). Its floor is the bytes it must move at the measured copy rate: the weights it
+reads (10 of the 512 experts), the recurrent state and conv window read and written. The
+launches a part makes bound it from below too (GPU-FACTS.md: ~2 us each in a graph), which is
+what the "launches" column counts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import RandomDeviceWeights, copy_bandwidth, timed_graph  # noqa: E402
+from bench_hybrid import QWEN3_NEXT_80B_A3B, hybrid_device_weights  # noqa: E402
+
+from sparkd.backend.base import AttentionMetadata  # noqa: E402
+from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
+from sparkd.models.config import ModelConfig  # noqa: E402
+from sparkd.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
+
+ITERS = 50
+CACHED = 128
+
+
+def decode_step(ops: CudaOps, block_size: int = 16):
+    """The metadata of a decode step of one sequence with CACHED tokens before it, state slot 0."""
+    blocks = -(-(CACHED + 1) // block_size)
+    meta = AttentionMetadata(query_start_loc=np.array([0, 1], np.int32), seq_lens=np.array([CACHED + 1], np.int32),
+                             block_tables=np.zeros((1, blocks), np.int32), slot_mapping=np.full(1, -1, np.int32),
+                             max_query_len=1, max_seq_len=CACHED + 1, state_slots=np.zeros(1, np.int32))
+    return ops.prepare_attention(meta)
+
+
+def main() -> int:
+    ops = CudaOps(dtype="bfloat16")
+    copy_rate = copy_bandwidth(ops.allocator, ops.stream)
+    config = ModelConfig.from_hf({**QWEN3_NEXT_80B_A3B, "num_hidden_layers": 1})  # layer 0: a delta net
+    make = RandomDeviceWeights(ops.allocator, ops.stream, ops.dtype)
+    weights = hybrid_device_weights(config, make)
+    expert_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." in n) // config.num_experts
+    shared_bytes = sum(t.nbytes for n, t in weights.items() if "shared_expert" in n)
+    mixer_bytes = sum(t.nbytes for n, t in weights.items() if ".linear_attn." in n)
+    layer = Qwen3NextForCausalLM(config, ops, weights).layers[0]
+    mixer, moe, shape = layer.self_attn, layer.mlp, config.delta_net_shape
+    router_bytes = moe.router.nbytes  # as the backend holds it (CUDA: [W | W], see Ops.router_weight)
+    conv_state, state = ops.allocate_linear_attention_state(1, 1, shape.conv_dim, config.linear_conv_kernel_dim,
+                                                            shape.num_v_heads, shape.k_dim, shape.v_dim)[0]
+    state_bytes = 2 * (conv_state.nbytes + state.nbytes)  # read and written
+    attn = decode_step(ops)
+    h, hv, dv = config.hidden_size, shape.num_v_heads, shape.v_dim
+    x, residual = make.matrix((1, h), 1), make.matrix((1, h), 1)
+    projected = make.matrix((1, shape.conv_dim + hv * dv + 2 * hv), 1)
+    mixed, z, b, a = ops.split_columns(projected, [shape.conv_dim, hv * dv, hv, hv])
+    g, beta = ops.delta_net_gates(a, b, mixer.a_log, mixer.dt_bias)
+    core = make.matrix((1, hv * dv), 1)
+    y, router_input, _ = ops.add_rmsnorm_for_router(x, residual, layer.post_attention_layernorm, config.rms_norm_eps)
+    gate_up, down, gate = moe.shared_expert
+
+    def shared_expert():
+        shared = ops.linear(ops.linear_silu_and_mul(y, gate_up), down)
+        return ops.mul_sigmoid(shared, ops.linear(y, gate))
+
+    parts = [  # (name, work, bytes it must move, launches)
+        ("delta net mixer, norm to out_proj",
+         lambda: mixer.forward(None, x, residual, layer.input_layernorm, attn, (conv_state, state)),
+         mixer_bytes + state_bytes, None),
+        ("  input norm + in_proj", lambda: ops.add_rmsnorm_linear(x, residual, layer.input_layernorm,
+                                                                  config.rms_norm_eps, mixer.in_proj),
+         mixer.in_proj.nbytes, None),
+        ("  conv + SiLU", lambda: ops.causal_conv1d_silu(mixed, mixer.conv_weight, conv_state, attn),
+         mixer.conv_weight.nbytes + 2 * conv_state.nbytes, 1),
+        ("  gates", lambda: ops.delta_net_gates(a, b, mixer.a_log, mixer.dt_bias), 0, 1),
+        ("  delta rule (recurrent)", lambda: ops.gated_delta_rule(mixed, g, beta, state, attn, shape),
+         2 * state.nbytes, 1),
+        ("  gated RMSNorm", lambda: ops.gated_rmsnorm(core, z, mixer.norm_weight, config.rms_norm_eps), 0, 1),
+        ("  out_proj", lambda: ops.linear(core, mixer.out_proj), mixer.out_proj.nbytes, 1),
+        ("MoE block, norm to shared expert", lambda: moe.forward(x, residual, layer.post_attention_layernorm),
+         router_bytes + config.num_experts_per_tok * expert_bytes + shared_bytes, None),
+        ("  routed experts (sparse_moe)", lambda: ops.sparse_moe(y, router_input, moe.router, moe.gate_up_proj,
+                                                                 moe.down_proj, moe.top_k, moe.renormalize),
+         router_bytes + config.num_experts_per_tok * expert_bytes, None),
+        ("  shared expert and its gate", shared_expert, shared_bytes, 4),
+    ]
+    print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s; Qwen3-Next-80B-A3B delta-net layer, batch-1 decode, "
+          f"{CACHED} cached tokens\n")
+    print("| part | us | floor us | floor / time | launches |\n| --- | --- | --- | --- | --- |")
+    for name, work, nbytes, launches in parts:
+        seconds = timed_graph(ops.stream, work, ITERS)
+        floor = nbytes / copy_rate
+        print(f"| {name} | {seconds * 1e6:.1f} | {floor * 1e6:.1f} | {floor / seconds:.2f} | "
+              f"{launches if launches is not None else '-'} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
