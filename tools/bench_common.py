@@ -22,8 +22,8 @@ from sparkd.backend.cuda.driver import Event, Stream, call, init_device  # noqa:
 from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.memory import DeviceAllocator  # noqa: E402
 from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
-from sparkd.backend.cuda.transfer import copy_to_device, encode  # noqa: E402
-from sparkd.backend.dtypes import DType  # noqa: E402
+from sparkd.backend.cuda.transfer import copy_to_device  # noqa: E402
+from sparkd.backend.dtypes import DType, encode  # noqa: E402
 
 _ONE_BITS = {DType.bfloat16: 0x3F80, DType.float16: 0x3C00}
 

@@ -144,11 +144,14 @@ def delta_net_layer_flops(config: ModelConfig, tokens: int, chunk: int = 64) -> 
     return projections + conv + hv * -(-tokens // chunk) * per_chunk
 
 
-def one_sequence_step(ops: CudaOps, tokens: int):
-    """The metadata of a step that computes one fresh `tokens`-token sequence into state slot 0."""
-    meta = AttentionMetadata(query_start_loc=np.array([0, tokens], np.int32), seq_lens=np.array([tokens], np.int32),
-                             block_tables=np.zeros((1, 1), np.int32), slot_mapping=np.full(tokens, -1, np.int32),
-                             max_query_len=tokens, max_seq_len=tokens, state_slots=np.zeros(1, np.int32))
+def one_sequence_step(ops: CudaOps, tokens: int, cached: int = 0, block_size: int = 16):
+    """The metadata of a step that computes `tokens` tokens of one sequence with `cached` tokens
+    before them, state slot 0 (its block table zeros: only the delta nets read this step)."""
+    blocks = -(-(cached + tokens) // block_size)
+    meta = AttentionMetadata(query_start_loc=np.array([0, tokens], np.int32),
+                             seq_lens=np.array([cached + tokens], np.int32), block_tables=np.zeros((1, blocks), np.int32),
+                             slot_mapping=np.full(tokens, -1, np.int32), max_query_len=tokens,
+                             max_seq_len=cached + tokens, state_slots=np.zeros(1, np.int32))
     return ops.prepare_attention(meta)
 
 

@@ -17,29 +17,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import RandomDeviceWeights, copy_bandwidth, timed_graph  # noqa: E402
-from bench_hybrid import QWEN3_NEXT_80B_A3B, hybrid_device_weights  # noqa: E402
+from bench_hybrid import QWEN3_NEXT_80B_A3B, hybrid_device_weights, one_sequence_step  # noqa: E402
 
-from sparkd.backend.base import AttentionMetadata  # noqa: E402
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 from sparkd.models.config import ModelConfig  # noqa: E402
 from sparkd.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
 
 ITERS = 50
 CACHED = 128
-
-
-def decode_step(ops: CudaOps, block_size: int = 16):
-    """The metadata of a decode step of one sequence with CACHED tokens before it, state slot 0."""
-    blocks = -(-(CACHED + 1) // block_size)
-    meta = AttentionMetadata(query_start_loc=np.array([0, 1], np.int32), seq_lens=np.array([CACHED + 1], np.int32),
-                             block_tables=np.zeros((1, blocks), np.int32), slot_mapping=np.full(1, -1, np.int32),
-                             max_query_len=1, max_seq_len=CACHED + 1, state_slots=np.zeros(1, np.int32))
-    return ops.prepare_attention(meta)
 
 
 def main() -> int:
@@ -57,7 +45,7 @@ def main() -> int:
     conv_state, state = ops.allocate_linear_attention_state(1, 1, shape.conv_dim, config.linear_conv_kernel_dim,
                                                             shape.num_v_heads, shape.k_dim, shape.v_dim)[0]
     state_bytes = 2 * (conv_state.nbytes + state.nbytes)  # read and written
-    attn = decode_step(ops)
+    attn = one_sequence_step(ops, 1, cached=CACHED)
     h, hv, dv = config.hidden_size, shape.num_v_heads, shape.v_dim
     x, residual = make.matrix((1, h), 1), make.matrix((1, h), 1)
     projected = make.matrix((1, shape.conv_dim + hv * dv + 2 * hv), 1)

@@ -55,11 +55,15 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
 
 
-def round_to(x: np.ndarray, dtype: DType) -> np.ndarray:
-    """float32 x with each value rounded to `dtype` (float32, float16 or bfloat16, to nearest even):
-    what storing it in that type and reading it back gives."""
-    if dtype is DType.float16:
-        return x.astype(np.float16).astype(np.float32)
+def encode(array: np.ndarray, dtype: DType) -> np.ndarray:
+    """Host data in the device representation of `dtype` (bf16 as uint16 bits), C-contiguous."""
     if dtype is DType.bfloat16:
-        return bf16_bits_to_float32(float32_to_bf16_bits(x))
-    return x
+        if array.dtype == np.uint16:
+            raise ValueError("a uint16 array is ambiguous as bfloat16 input: pass float values")
+        return float32_to_bf16_bits(np.asarray(array, dtype=np.float32))
+    return np.ascontiguousarray(array, dtype=dtype.host)
+
+
+def decode(raw: np.ndarray, dtype: DType) -> np.ndarray:
+    """The inverse of `encode`; bf16 comes back as float32."""
+    return bf16_bits_to_float32(raw) if dtype is DType.bfloat16 else raw

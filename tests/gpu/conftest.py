@@ -44,7 +44,8 @@ class GpuHarness:
 
     def upload(self, array: np.ndarray, dtype=None):
         from sparkd.backend.cuda.tensor import as_dtype
-        from sparkd.backend.cuda.transfer import copy_to_device, encode
+        from sparkd.backend.cuda.transfer import copy_to_device
+        from sparkd.backend.dtypes import encode
 
         target = as_dtype(dtype if dtype is not None else array.dtype)
         host = encode(np.asarray(array), target)
@@ -55,7 +56,8 @@ class GpuHarness:
 
     def download(self, tensor) -> np.ndarray:
         """bf16 comes back as float32; a row-strided view (a column slice) is gathered first."""
-        from sparkd.backend.cuda.transfer import copy_device, copy_to_host, decode
+        from sparkd.backend.cuda.transfer import copy_device, copy_to_host
+        from sparkd.backend.dtypes import decode
 
         if not tensor.is_contiguous:
             packed = self.allocator.empty(tensor.shape, tensor.dtype)

@@ -17,8 +17,8 @@ import numpy as np
 from sparkd.backend.cpu.moe import group_by_expert, silu_and_mul
 from sparkd.backend.cuda.kernels import moe_routing
 from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
-from sparkd.backend.cuda.transfer import copy_to_device, decode, encode
-from sparkd.backend.dtypes import DType
+from sparkd.backend.cuda.transfer import copy_to_device
+from sparkd.backend.dtypes import DType, decode, encode
 
 
 @dataclass

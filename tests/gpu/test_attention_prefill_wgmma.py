@@ -233,7 +233,8 @@ def test_graph_replay_is_deterministic_and_reads_new_inputs(gpu, rel_error, tole
 
     from sparkd.backend.cuda.driver import call
     from sparkd.backend.cuda.graphs import capture
-    from sparkd.backend.cuda.transfer import copy_to_device, encode
+    from sparkd.backend.cuda.transfer import copy_to_device
+    from sparkd.backend.dtypes import encode
 
     batch = make_batch(np.random.default_rng(12), *MIXED, 32, 4, 128, 16)
     (q, k_cache, v_cache), held, meta = upload_batch(gpu, batch, "bfloat16")

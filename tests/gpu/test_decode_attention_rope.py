@@ -35,7 +35,8 @@ from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.kernels import rope_kv  # noqa: E402
 from sparkd.backend.cuda.kernels.attention_plan import AttentionSizes, DecodePlan, plan_decode  # noqa: E402
 from sparkd.backend.cuda.kernels.rope_kv import rope_cos_sin  # noqa: E402
-from sparkd.backend.cuda.transfer import copy_to_device, decode, encode  # noqa: E402
+from sparkd.backend.cuda.transfer import copy_to_device  # noqa: E402
+from sparkd.backend.dtypes import decode, encode  # noqa: E402
 
 EPS = 1e-6
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

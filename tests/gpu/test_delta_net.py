@@ -17,7 +17,7 @@ import pytest
 from sparkd.backend.base import DeltaNetShape
 from sparkd.backend.cpu import gdn
 from sparkd.backend.cpu.ops import NumpyOps
-from sparkd.backend.dtypes import DType
+from sparkd.backend.dtypes import DType, encode
 
 delta_net = pytest.importorskip("sparkd.backend.cuda.kernels.delta_net")
 
@@ -62,6 +62,11 @@ def _held(gpu, array, dtype):
     return dev, gpu.download(dev).astype(np.float32)
 
 
+def _pool(values, dtype):
+    """The numpy twin's state pool holding float32 `values` in dtype (bf16 as its bits)."""
+    return encode(values, DType.parse(dtype))
+
+
 def test_snapshot_arrays_are_by_sequence_then_offset():
     start, offsets, slots = delta_net.snapshot_arrays(3, SNAPSHOTS[::-1])
     np.testing.assert_array_equal(start, [0, 1, 1, 4])
@@ -83,13 +88,14 @@ def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, widt
     wide, wide_h = _held(gpu, rng.standard_normal((tokens, channels + 32)), dtype)  # x is a column range of it
     x = wide.column_slice(16, channels)
     weight, weight_h = _held(gpu, rng.standard_normal((channels, width)) / width, dtype)
-    conv_state, expected_state = _held(gpu, rng.standard_normal((NUM_SLOTS, channels, width - 1)), state_dtype)
+    conv_state, window = _held(gpu, rng.standard_normal((NUM_SLOTS, channels, width - 1)), state_dtype)
     out = gpu.empty((tokens, channels), dtype)
     delta_net.causal_conv1d_silu(out, x, weight, conv_state, attn, gpu.stream)
-    expected = gdn.causal_conv1d_silu(wide_h[:, 16:16 + channels], weight_h, expected_state, segments,
-                                      DType.parse(state_dtype))
+    expected_state = _pool(window, state_dtype)
+    expected = gdn.causal_conv1d_silu(wide_h[:, 16:16 + channels], weight_h, expected_state, segments)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
-    assert rel_error(gpu.download(conv_state), expected_state) <= 1e-6  # copies of held inputs: exact
+    # Copies of held inputs, rounded alike: exact.
+    assert rel_error(gpu.download(conv_state), gdn.read_state(expected_state)) <= 1e-6
 
 
 @pytest.mark.gpu
@@ -126,11 +132,11 @@ def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape,
     workspace = gpu.empty((delta_net.chunk_workspace_floats(tokens, shape),), "float32")
     delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, attn, shape, gpu.stream,
                                form=form, workspace=workspace)
-    expected_state = initial.copy()
-    expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape, DType.parse(state_dtype))
+    expected_state = _pool(initial, state_dtype)
+    expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape)
     bound = max(tolerance[dtype], tolerance[state_dtype])  # a bf16 state is rounded at every store
     assert rel_error(gpu.download(out), expected) <= bound
-    assert rel_error(gpu.download(state), expected_state) <= bound
+    assert rel_error(gpu.download(state), gdn.read_state(expected_state)) <= bound
 
 
 @pytest.mark.gpu

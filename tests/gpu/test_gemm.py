@@ -99,7 +99,7 @@ def test_gemm_replays_inside_a_cuda_graph(gpu, gemm, rel_error):
     gemm(out, x_dev, w_dev)  # plan outside the capture, as the decode warm-up does
     graph, _ = capture(gpu.stream, lambda: gemm(out, x_dev, w_dev))
     try:
-        from sparkd.backend.cuda.transfer import encode
+        from sparkd.backend.dtypes import encode
 
         new_x = np.random.default_rng(14).standard_normal((3, 128)).astype(np.float32)
         host = encode(new_x, DType.bfloat16)

@@ -115,7 +115,8 @@ def test_results_are_deterministic(gpu):
 @pytest.mark.gpu
 def test_gemv_replays_inside_a_cuda_graph(gpu, rel_error):
     from sparkd.backend.cuda.graphs import capture
-    from sparkd.backend.cuda.transfer import copy_to_device, encode
+    from sparkd.backend.cuda.transfer import copy_to_device
+    from sparkd.backend.dtypes import encode
 
     x_dev, w_dev, _, w = _operands(gpu, 2, 256, 512, "bfloat16", seed=7)
     out = gpu.empty((2, 256), DType.float32)

@@ -106,7 +106,8 @@ def _rows(weight, rows):
 @pytest.mark.gpu
 def test_gemv_norm_replays_inside_a_cuda_graph(gpu, rel_error, tolerance):
     from sparkd.backend.cuda.graphs import capture
-    from sparkd.backend.cuda.transfer import copy_to_device, encode
+    from sparkd.backend.cuda.transfer import copy_to_device
+    from sparkd.backend.dtypes import encode
 
     x, residual, norm_weight, weight, _, _ = _norm_case(gpu, 384, 2048, "bfloat16", "float32", seed=3)
     out, residual_out = gpu.empty((1, 384), "bfloat16"), gpu.empty((1, 2048), "float32")

@@ -24,8 +24,8 @@ import pytest
 from sparkd.backend.cpu.moe import moe_route
 from sparkd.backend.cuda.kernels import moe_router
 from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
-from sparkd.backend.cuda.transfer import copy_to_device, encode
-from sparkd.backend.dtypes import DType
+from sparkd.backend.cuda.transfer import copy_to_device
+from sparkd.backend.dtypes import DType, encode
 
 from .moe_cases import (
     ALIGNMENT_VIEWS,

@@ -21,8 +21,8 @@ import pytest
 
 from sparkd.backend.cpu.moe import group_by_expert, moe_route
 from sparkd.backend.cuda.kernels import moe_routing
-from sparkd.backend.cuda.transfer import copy_to_device, decode, encode
-from sparkd.backend.dtypes import DType
+from sparkd.backend.cuda.transfer import copy_to_device
+from sparkd.backend.dtypes import DType, decode, encode
 
 from .moe_cases import (
     check_alignment,

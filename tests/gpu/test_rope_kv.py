@@ -19,8 +19,7 @@ import pytest
 from sparkd.backend.base import AttentionMetadata, RopeConfig
 from sparkd.backend.cpu.ops import NumpyOps
 from sparkd.backend.cuda.kernels import rope_kv
-from sparkd.backend.cuda.transfer import decode, encode
-from sparkd.backend.dtypes import DType
+from sparkd.backend.dtypes import DType, decode, encode
 from sparkd.models.config import rope_config
 
 pytestmark = pytest.mark.gpu

@@ -11,8 +11,8 @@ import pytest
 from sparkd.backend.base import AttentionMetadata
 from sparkd.backend.cuda.memory import GiB, check_weights_fit, plan_kv_cache, round_size
 from sparkd.backend.cuda.tensor import DeviceTensor
-from sparkd.backend.cuda.transfer import ALIGNMENT, decode, encode, pack_layout
-from sparkd.backend.dtypes import DType
+from sparkd.backend.cuda.transfer import ALIGNMENT, pack_layout
+from sparkd.backend.dtypes import DType, decode, encode
 
 # ---- host-only ----
 

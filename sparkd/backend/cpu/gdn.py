@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base import DeltaNetShape
-from ..dtypes import DType, round_to
+from ..dtypes import DType, decode, encode
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6  # transformers' and flash-linear-attention's l2norm eps
@@ -38,29 +38,44 @@ class StateSegment:
     snapshots: tuple[tuple[int, int], ...] = ()
 
 
+# A state pool's host arrays: float32, float16, or bf16 as uint16 bits (what `encode` gives).
+_STATE_TYPES = {np.dtype(np.float32): DType.float32, np.dtype(np.float16): DType.float16,
+                np.dtype(np.uint16): DType.bfloat16}
+
+
+def read_state(held: np.ndarray) -> np.ndarray:
+    """A slot of a state pool as float32."""
+    return decode(held, _STATE_TYPES[held.dtype]).astype(np.float32, copy=False)
+
+
+def to_state(value: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """float32 `value` as `pool` holds it (rounded to nearest even)."""
+    return encode(value, _STATE_TYPES[pool.dtype])
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-x) = inf for x << 0 gives the right limit, 0
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray, segments: list[StateSegment],
-                       state_dtype: DType = DType.float32) -> np.ndarray:
+def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
+                       segments: list[StateSegment]) -> np.ndarray:
     """silu(depthwise causal conv of each segment's channels over its window and new tokens).
 
     x [T, C] (rows may be strided), weight [C, W], conv_state [slots, C, W - 1] (updated in
     place: the last W - 1 inputs of each segment, older ones from the window when the
-    segment is shorter; rounded to state_dtype) -> [T, C] float32."""
+    segment is shorter; float32, float16 or bf16 bits: read_state) -> [T, C] float32."""
     width = weight.shape[1]
     out = np.empty(x.shape, np.float32)
     for seg in segments:
-        window = conv_state[seg.slot] if seg.num_cached else np.zeros_like(conv_state[seg.slot])
+        window = read_state(conv_state[seg.slot]) if seg.num_cached else np.zeros(conv_state.shape[1:], np.float32)
         inputs = np.concatenate([window, x[seg.start:seg.stop].T.astype(np.float32)], axis=1)  # [C, W - 1 + L]
         length = seg.stop - seg.start
         conv = sum(weight[:, j : j + 1] * inputs[:, j : j + length] for j in range(width))  # [C, L]
         out[seg.start:seg.stop] = conv.T
-        conv_state[seg.slot] = round_to(inputs[:, -(width - 1):], state_dtype)
+        conv_state[seg.slot] = to_state(inputs[:, -(width - 1):], conv_state)
         for offset, slot in seg.snapshots:  # the window after `offset` tokens
-            conv_state[slot] = round_to(inputs[:, offset : offset + width - 1], state_dtype)
+            conv_state[slot] = to_state(inputs[:, offset : offset + width - 1], conv_state)
     return out * sigmoid(out)
 
 
@@ -69,13 +84,12 @@ def l2norm(x: np.ndarray) -> np.ndarray:
 
 
 def gated_delta_rule(mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
-                     segments: list[StateSegment], shape: DeltaNetShape,
-                     state_dtype: DType = DType.float32) -> np.ndarray:
+                     segments: list[StateSegment], shape: DeltaNetShape) -> np.ndarray:
     """The delta rule over each segment, from its slot's state (zeros with no cached tokens).
 
     mixed_qkv [T, C] = [q (Hk dk) | k (Hk dk) | v (Hv dv)] (the conv's output), g, beta [T, Hv]
-    float32, state [slots, Hv, dk, dv] float32 (updated in place, what it stores rounded to
-    state_dtype; a segment runs on in float32 past its snapshots) -> o [T, Hv dv] float32.
+    float32, state [slots, Hv, dk, dv] as read_state reads it (updated in place, rounded to its
+    type where stored; a segment runs on in float32 past its snapshots) -> o [T, Hv dv] float32.
     Segments of one token run the recurrent form, longer ones the chunked form."""
     hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
     tokens = mixed_qkv.shape[0]
@@ -87,7 +101,7 @@ def gated_delta_rule(mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, sta
     k = np.repeat(l2norm(k), hv // hk, axis=1)
     out = np.empty((tokens, hv, dv), np.float32)
     for seg in segments:
-        current = state[seg.slot] if seg.num_cached else np.zeros((hv, dk, dv), np.float32)
+        current = read_state(state[seg.slot]) if seg.num_cached else np.zeros((hv, dk, dv), np.float32)
         # The segment in pieces that end at its snapshot points, each continuing from the last.
         ends = sorted({seg.stop, *(seg.start + offset for offset, _ in seg.snapshots)})
         for lo, hi in zip([seg.start, *ends[:-1]], ends):
@@ -96,8 +110,8 @@ def gated_delta_rule(mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, sta
                 out[lo:hi], current = run(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], current)
             for offset, slot in seg.snapshots:
                 if seg.start + offset == hi:
-                    state[slot] = round_to(current, state_dtype)
-        state[seg.slot] = round_to(current, state_dtype)
+                    state[slot] = to_state(current, state)
+        state[seg.slot] = to_state(current, state)
     return out.reshape(tokens, hv * dv)
 
 

@@ -23,7 +23,6 @@ from .sampler import sample
 class NumpyOps:
     name = "cpu"
     dtype = np.dtype(np.float32)
-    linear_state_dtype = DType.float32  # what allocate_linear_attention_state was asked to hold
 
     # ---- memory ----
     def upload(self, array: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
@@ -45,11 +44,10 @@ class NumpyOps:
     def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
                                         num_v_heads: int, k_dim: int, v_dim: int,
                                         state_dtype: DType = DType.float32) -> list[tuple[np.ndarray, np.ndarray]]:
-        """float32 arrays whatever state_dtype: the delta net's ops round what they store to it
-        (`linear_state_dtype`), so the values are those a device pool of that type holds."""
-        self.linear_state_dtype = state_dtype
-        return [(np.zeros((num_slots, conv_dim, conv_width - 1), np.float32),
-                 np.zeros((num_slots, num_v_heads, k_dim, v_dim), np.float32)) for _ in range(num_layers)]
+        """Host arrays of state_dtype (bf16 as its uint16 bits): gdn reads them as float32 and
+        rounds what it stores to their type."""
+        return [(np.zeros((num_slots, conv_dim, conv_width - 1), state_dtype.host),
+                 np.zeros((num_slots, num_v_heads, k_dim, v_dim), state_dtype.host)) for _ in range(num_layers)]
 
     def bind_thread(self) -> None:
         """numpy needs no per-thread setup."""
@@ -155,7 +153,7 @@ class NumpyOps:
 
     def causal_conv1d_silu(self, x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
                            attn: AttentionPlan) -> np.ndarray:
-        return gdn.causal_conv1d_silu(x, weight, conv_state, attn.state_segments, self.linear_state_dtype)
+        return gdn.causal_conv1d_silu(x, weight, conv_state, attn.state_segments)
 
     def delta_net_gates(self, a: np.ndarray, b: np.ndarray, a_log: np.ndarray,
                         dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -165,7 +163,7 @@ class NumpyOps:
 
     def gated_delta_rule(self, mixed_qkv: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray,
                          attn: AttentionPlan, shape: gdn.DeltaNetShape) -> np.ndarray:
-        return gdn.gated_delta_rule(mixed_qkv, g, beta, state, attn.state_segments, shape, self.linear_state_dtype)
+        return gdn.gated_delta_rule(mixed_qkv, g, beta, state, attn.state_segments, shape)
 
     def gated_rmsnorm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return gdn.gated_rmsnorm(x, z, weight, eps)

@@ -18,7 +18,7 @@ import numpy as np
 from cuda.bindings import driver
 
 from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, pre_norm
-from ..dtypes import DType
+from ..dtypes import DType, decode, encode
 from .attention_metadata import CudaAttentionMetadata
 from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
@@ -30,7 +30,7 @@ from .kernels import (activation, attention, attention_prefill_wgmma, delta_net,
                       gemv_norm, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
 from .tensor import DeviceTensor, as_dtype
-from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host, decode, encode
+from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host
 from .weights import ChunkedUploader
 
 log = logging.getLogger("sparkd.cuda")

@@ -14,26 +14,12 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from cuda.bindings import driver
 
-from ..dtypes import DType, bf16_bits_to_float32, float32_to_bf16_bits
+from ..dtypes import DType
 from .driver import Event, Stream, call, ensure_context
 from .memory import DeviceAllocator
 from .tensor import DeviceTensor, as_dtype
 
 ALIGNMENT = 256  # cuBLASLt and vector loads want 256-byte aligned operands
-
-
-def encode(array: np.ndarray, dtype: DType) -> np.ndarray:
-    """Host data in the device representation of `dtype` (bf16 as uint16 bits), C-contiguous."""
-    if dtype is DType.bfloat16:
-        if array.dtype == np.uint16:
-            raise ValueError("a uint16 array is ambiguous as bfloat16 input: pass float values")
-        return float32_to_bf16_bits(np.asarray(array, dtype=np.float32))
-    return np.ascontiguousarray(array, dtype=dtype.host)
-
-
-def decode(raw: np.ndarray, dtype: DType) -> np.ndarray:
-    """The inverse of `encode`; bf16 comes back as float32."""
-    return bf16_bits_to_float32(raw) if dtype is DType.bfloat16 else raw
 
 
 def pack_layout(sizes: Sequence[int]) -> tuple[list[int], int]:

@@ -12,7 +12,8 @@ from cuda.bindings import driver
 
 from .driver import Event, Stream, call
 from .tensor import DeviceTensor
-from .transfer import PinnedBuffer, encode
+from .transfer import PinnedBuffer
+from ..dtypes import encode
 
 CHUNK_BYTES = 32 << 20
 
