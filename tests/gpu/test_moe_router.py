@@ -8,9 +8,13 @@ alignment by its last block) against numpy.
   group_by_expert) run on the device's own logits, which isolates the GEMV's rounding from the
   routing: ids and alignment exactly, weights within 1e-6 (fp32 softmax on both sides); and bit
   for bit what moe_route_align, today's second launch, makes of those same logits.
-- T = 1 to 4 tokens and 32 // k (the most one launch takes), E = 8 / 60 / 128 / 256, k = 1 / 2 / 8,
-  K = 64 to 4104 (4104 fp32 takes two passes), fp32 / bf16 / fp16, router_input a column slice
-  whose rows are spaced wider than K, renormalised or not.
+- T = 1 to 4 tokens (no more than 32 // k) and 32 // k (the most one launch takes), E = 8 / 60
+  / 128 / 256 with k = 1 / 2 / 8, E = 512 with k = 2 and 10 (Qwen3-Next's), E = 1024 with
+  k = 16 (the limits), K = 64 to 4104 (4104 fp32 takes two passes), fp32 / bf16 / fp16,
+  router_input a column slice whose rows are spaced wider than K, renormalised or not.
+  T * E <= 4096 routes by the whole last block (moe_route_block.cuh), more (E = 256 at T = 32,
+  E = 512 at T = 16) by its first warp.
+- Tied logits (repeated router rows, a zero token): ties go to the lower expert id on both paths.
 - The arrival counter: launches back to back, of one shape and of two, and graph replays.
 - The operands CudaOps.add_rmsnorm_for_router and router_weight make ([y | y_lo] and [W | W] in
   bf16 / fp16): the logits of the unrounded rows.
@@ -45,6 +49,11 @@ WEIGHT_ATOL = 1e-6
 LOGIT_SCALE = 3.0  # logits ~ N(0, 9): numpy's fp32 softmax keeps distinct logits apart (no 0 or tied probabilities)
 
 
+def random_router(rng, num_experts: int, width: int) -> np.ndarray:
+    """router [E, K] float32 whose logits on unit-normal inputs are ~ N(0, LOGIT_SCALE**2)."""
+    return rng.standard_normal((num_experts, width), dtype=np.float32) * np.float32(LOGIT_SCALE / np.sqrt(width))
+
+
 class RouterCase:
     """router_input [T, K] (a column slice of a [T, K + 3 chunks] matrix) and router [E, K] on the
     device in `dtype`, their host copies as the device holds them, and the outputs' buffers."""
@@ -62,10 +71,14 @@ class RouterCase:
         self.new_inputs(rng)
 
     def new_inputs(self, rng) -> None:
-        """Fresh router_input and router; x and w: their host copies as held."""
+        """Fresh router_input and router."""
         num_experts, width = self.router.shape
         wide = rng.standard_normal(self.wide.shape, dtype=np.float32)
-        router = rng.standard_normal((num_experts, width), dtype=np.float32) * np.float32(LOGIT_SCALE / np.sqrt(width))
+        self.set_inputs(wide, random_router(rng, num_experts, width))
+
+    def set_inputs(self, wide: np.ndarray, router: np.ndarray) -> None:
+        """router_input's matrix [T, K + 3 chunks] and router [E, K] (float32) on the device in the
+        case's dtype; x and w: their host copies as held."""
         encoded = [encode(wide, self.dtype), encode(router, self.dtype)]
         for dst, host in zip((self.wide, self.router), encoded):
             copy_to_device(dst, host, self.gpu.stream)
@@ -110,7 +123,10 @@ class RouterCase:
         self.check(rel_error, renormalize)
 
 
-SHAPES = [(num_experts, top_k) for num_experts in (8, 60, 128, 256) for top_k in (1, 2, 8)]
+# (512, 2) at T = 16 (8192 logits) takes the one-warp path at a large E; (512, 10) is
+# Qwen3-Next's router and (1024, 16) the limits, whole blocks at T <= 3 and T <= 2.
+SHAPES = [(num_experts, top_k) for num_experts in (8, 60, 128, 256) for top_k in (1, 2, 8)] + [
+    (512, 2), (512, 10), (1024, 16)]
 
 
 @pytest.mark.gpu
@@ -118,13 +134,39 @@ SHAPES = [(num_experts, top_k) for num_experts in (8, 60, 128, 256) for top_k in
 @pytest.mark.parametrize("width", [64, 2048, 4096, 4104])
 @pytest.mark.parametrize("num_experts,top_k", SHAPES)
 def test_router_matches_numpy(gpu, rel_error, dtype, width, num_experts, top_k):
-    """T = 1, 2, 3, 4 and 32 // k tokens, each renormalised and not. E = 60 with K = 64 leaves the
-    last block slots past E; K = 2048 in bf16 puts two experts in a block."""
+    """T = 1, 2, 3, 4 and 32 // k tokens (those of T * k <= 32), each renormalised and not. E = 60
+    with K = 64 leaves the last block slots past E; K = 2048 in bf16 puts two experts in a block."""
     rng = np.random.default_rng(num_experts * 10000 + top_k * 1000 + width)
-    for num_tokens in sorted({1, 2, 3, 4, 32 // top_k}):
+    for num_tokens in sorted({1, 2, 3, 4, 32 // top_k} & set(range(1, 32 // top_k + 1))):
         case = RouterCase(gpu, rng, num_tokens, num_experts, top_k, width, dtype)
         for renormalize in (False, True):
             case.run_and_check(rel_error, renormalize)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_experts,top_k", [(60, 8), (128, 8), (512, 2), (512, 10), (1024, 16)])
+def test_router_breaks_ties_to_the_lower_expert(gpu, rel_error, dtype, num_experts, top_k):
+    """Tied logits, bit for bit: token 0's input is zero (every logit 0, so the choices are
+    experts 0 to k - 1), and router rows repeat (E // 4 distinct rows, each at random experts;
+    every expert's sums run in one order, so repeated rows give equal logits), which ties
+    experts across segments and around the k-th choice. T = 2 and 32 // k: the whole block,
+    and for (512, 2) at T = 16 the one warp."""
+    rng = np.random.default_rng(num_experts * 100 + top_k)
+    width = 2048  # bf16: two experts a block of 4 warps each; fp32: one expert of 8 warps
+    for num_tokens in sorted({2, 32 // top_k}):
+        case = RouterCase(gpu, rng, num_tokens, num_experts, top_k, width, dtype)
+        wide = rng.standard_normal(case.wide.shape, dtype=np.float32)
+        wide[0] = 0.0
+        distinct = random_router(rng, num_experts // 4, width)
+        case.set_inputs(wide, distinct[rng.integers(0, len(distinct), num_experts)])
+        for renormalize in (False, True):
+            case.run_and_check(rel_error, renormalize)
+        logits = gpu.download(case.router_logits)
+        assert np.all(logits[0] == 0.0)
+        np.testing.assert_array_equal(gpu.download(case.expert_ids)[0], np.arange(top_k))
+        for row in logits[1:]:  # the ties are there to break
+            assert len(np.unique(row)) < num_experts
 
 
 @pytest.mark.gpu
