@@ -12,8 +12,8 @@ timed launches are replayed from one CUDA graph, so neither the cache nor Python
 launch overhead inflates the figures. lm_head and the MoE router write fp32, as the engine
 runs them; the router's K is twice the hidden size (its split rows [y | y_lo], CudaOps.router_weight).
 
-Shapes: Llama-3.1-8B's and Qwen3-30B-A3B's dense ones, plus those of the checkpoint at
---model (its config.json).
+Shapes: Llama-3.1-8B's, Qwen3-30B-A3B's and Qwen3-Next-80B-A3B's dense ones, plus those of the
+checkpoint at --model (its config.json).
 The "picks" column is what the engine's `Gemm` runs for that shape and M. With
 --write-table it comes from the table this run measures, written to PATH (by
 default this device's file in the sparkd cache, where the engine reads it; see
@@ -67,6 +67,17 @@ MOE_SHAPES = {
     "moe o": (2048, 4096),
     "moe router": (128, 2 * 2048),
     "moe lm_head": (151936, 2048),
+}
+# Qwen3-Next-80B-A3B's (tools/bench_hybrid.py's shape) that the two above lack: a delta net's
+# in_proj ([q k v | z | b | a] rows), the gated attention's qkv (query and gate rows) and the
+# shared expert's gate_up, down and gate. Its out_proj and o are "moe o"'s shape, its lm_head
+# "moe lm_head"'s.
+HYBRID_SHAPES = {
+    "hybrid in_proj": (12352, 2048),
+    "hybrid qkv": (9216, 2048),
+    "hybrid shared gate_up": (1024, 2048),
+    "hybrid shared down": (2048, 512),
+    "hybrid shared gate": (1, 2048),
 }
 LLAMA_LAYERS = 32
 LOGITS = "lm_head"
@@ -143,7 +154,7 @@ class ShapeBench:
 
 
 def bench_shapes(model_dir: str | None) -> dict[str, tuple[int, int]]:
-    shapes = {**SHAPES, **MOE_SHAPES}
+    shapes = {**SHAPES, **MOE_SHAPES, **HYBRID_SHAPES}
     if model_dir:
         for name, shape in linear_shapes(ModelConfig.from_hf(*read_hf_configs(model_dir))).items():
             if shape not in shapes.values():
