@@ -110,17 +110,19 @@ __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ 
   }
 }
 
-// out [T, N] = x * sigmoid(gate): x [T, N] at row stride ld_x, gate [T, N] (gate_cols N) or
+// out [T, N] = x * sigmoid(gate) (+ add_to [T, N], contiguous, when not null: the product rounded
+// to T first, as two launches would): x [T, N] at row stride ld_x, gate [T, N] (gate_cols N) or
 // [T, 1] (gate_cols 1) at row stride ld_gate. Launch: a 1-D grid over the T * N elements.
 template <typename T>
 __global__ void mul_sigmoid_kernel(T* __restrict__ out, const T* __restrict__ x, long long ld_x,
-                                   const T* __restrict__ gate, long long ld_gate, int gate_cols, int tokens,
-                                   int width) {
+                                   const T* __restrict__ gate, long long ld_gate, const T* __restrict__ add_to,
+                                   int gate_cols, int tokens, int width) {
   const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
   if (i >= static_cast<long long>(tokens) * width) return;
   const long long t = i / width;
   const int col = static_cast<int>(i % width);
   const float gv = to_float(gate[t * ld_gate + (gate_cols == 1 ? 0 : col)]);
   const float sig = to_float(from_float<T>(1.f / (1.f + expf(-gv))));  // transformers rounds the sigmoid to T
-  out[i] = from_float<T>(to_float(x[t * ld_x + col]) * sig);
+  const T product = from_float<T>(to_float(x[t * ld_x + col]) * sig);
+  out[i] = add_to == nullptr ? product : from_float<T>(to_float(add_to[i]) + to_float(product));
 }

@@ -13,7 +13,10 @@ using namespace sparkd;
 // Launch: grid (Hv, B, ceil(dv / columns)), blockDim.x = kSplit * columns <= kDeltaThreads, columns
 // a multiple of 32 / kSplit: kSplit neighbouring threads own one column of the head's state,
 // S[:, j], in registers, kMaxDk / kSplit rows each (dk <= kMaxDk), and meet by shuffles.
-constexpr int kDeltaThreads = 128;
+// 16 rows a thread: a batch-1 decode step is one token, so its time is the state's one round
+// trip, and short columns spread that over more blocks (Qwen3-Next's 32 heads of 128 x 128:
+// 256 blocks, where 64 rows a thread gave 64 blocks and 8.3 us).
+constexpr int kDeltaThreads = 128, kDeltaRows = 16;
 
 template <typename T, typename S, int kMaxDk>
 __global__ void __launch_bounds__(kDeltaThreads)
@@ -22,8 +25,8 @@ __global__ void __launch_bounds__(kDeltaThreads)
                             const int* query_start, const int* seq_lens, const int* state_slots,
                             const int* snapshot_start, const int* snapshot_offsets, const int* snapshot_slots,
                             int num_k_heads, int num_v_heads, int dk, int dv) {
-  constexpr int kSplit = kMaxDk > 64 ? kMaxDk / 64 : 1;  // 64 rows a thread keep the state in registers
-  constexpr int kRows = kMaxDk / kSplit;
+  constexpr int kRows = kMaxDk < kDeltaRows ? kMaxDk : kDeltaRows;
+  constexpr int kSplit = kMaxDk / kRows;
   __shared__ float q_s[kMaxDk], k_s[kMaxDk], inv_norms[2];
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
   const int h = blockIdx.x, b = blockIdx.y;

@@ -20,6 +20,7 @@
 // (kernels/delta_net.py's chunk_workspace_floats).
 #include "attention_common.cuh"  // cp.async
 #include "delta_net_common.cuh"
+#include "mma_tf32.cuh"
 
 using namespace sparkd;
 using attn::cp_async_16;
@@ -217,58 +218,66 @@ __global__ void __launch_bounds__(kPrepareThreads)
   }
 }
 
-// The state's columns [j0, j0 + 32) in shared memory, walked over the sequence's chunks: thread
-// (warp w of 16, lane c) owns column j0 + c at rows [8 w, 8 w + 8) for the update and computes
-// the chunk rows w + 16 m of v' and o. Grid (Hv, B, ceil(dv / 32)), kStateThreads threads; dk and dv
-// multiples of 4; dynamic shared memory: S [kChunkD][32], W, q and k as mixed_qkv holds them
-// [kChunk][kChunkD],
-// P [kChunk][kChunk], U then v' [kChunk][32], G, the decays and k's scales [kChunk]
-// (_STATE_SMEM_BYTES). dk, dv, the row stride of mixed_qkv multiples of 4.
-struct ChunkState {
-  float *s, *w, *q, *k, *p, *v, *cum, *decay, *k_scale;
-  int lane, warp, dk;
+// The state's columns [j0, j0 + 32) in shared memory, walked over the sequence's chunks, with
+// the chunk products on the tensor cores (mma_tf32.cuh: 3xTF32 for fp32 models, whose parity is
+// fp32's; one tf32 product for bf16 / fp16 ones, whose inputs carry 2^-8 already). Warp w of 16
+// computes the 16 x 8 tile (rows 16 (w / 4), columns 8 (w % 4)) of v' and o, and two tiles of
+// the state update (rows 16 (w / 4) and 64 + 16 (w / 4), the same columns). Grid (Hv, B,
+// ceil(dv / 32)), kStateThreads threads; dk and dv multiples of 4; dynamic shared memory
+// (_STATE_SMEM_BYTES), rows padded for conflict-free fragment loads: S [kChunkD][kLdS],
+// W and q [kChunk][kLdW], k [kChunk][kLdK], P [kChunk][kLdP], U then v' [kChunk][kLdS], then G,
+// the decays and k's scales [kChunk]. Rows of S past dk, and columns of W, q, k past dk, are zeros.
+constexpr int kLdS = kStateCols + 8, kLdW = kChunkD + 4, kLdK = kChunkD + 8, kLdP = kChunk + 4;
 
-  // The state after the chunk's first `count` tokens, at this thread's entries, into dst (row
-  // stride ld, column lane; dst may be s, or a slot in the pool's type D): needs decay[i] =
-  // exp(G_{count-1} - G_i), i < count (k holds k unnormalised, k_scale its scales).
+template <int kTerms>
+struct ChunkState {
+  float *s, *w, *q, *k, *p, *v, *cum, *decay;
+  int warp, dk;
+
+  // The state after the chunk's first `count` tokens into dst (row stride ld, `cols` of the
+  // block's 32 columns; dst may be s itself, or a slot in the pool's type D): needs decay[i] =
+  // exp(G_{count-1} - G_i) / |k_i| for i < count and 0 past it (set_decays).
   template <typename D>
-  __device__ __forceinline__ void advance(D* dst, int ld, bool valid, int count) const {
-    constexpr int kRows = kChunkD / kStateWarps;
+  __device__ __forceinline__ void advance(D* dst, int ld, int cols, int count) const {
     const float scale = expf(cum[count - 1]);
-    float acc[kRows];
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, n0 = 8 * (warp & 3);
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) acc[m] = 0.f;
-    for (int i = 0; i < count; ++i) {
-      const float vd = v[i * kStateCols + lane] * (decay[i] * k_scale[i]);
-      const float4* k_row = reinterpret_cast<const float4*>(k + i * kChunkD + warp * kRows);
-#pragma unroll
-      for (int m = 0; m < kRows / 4; ++m) {
-        const float4 k4 = k_row[m];
-        acc[4 * m] += k4.x * vd;
-        acc[4 * m + 1] += k4.y * vd;
-        acc[4 * m + 2] += k4.z * vd;
-        acc[4 * m + 3] += k4.w * vd;
+    for (int half = 0; half < 2; ++half) {
+      const int m0 = 16 * (warp / 4) + (kChunkD / 2) * half;
+      if (m0 >= dk) break;  // warp-uniform
+      float acc[4] = {};
+#pragma unroll 2
+      for (int k0 = 0; k0 < kChunk; k0 += 8) {  // (k diag(decay))^T v'
+        float a[4], b[2];
+        load_a_transposed(a, k, kLdK, m0, k0);
+        load_b_rows(b, v, kLdS, k0, n0);
+        b[0] *= decay[k0 + t];
+        b[1] *= decay[k0 + t + 4];
+        mma_f32<kTerms>(acc, a, b);
       }
-    }
-    if (!valid) return;
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
-      const int r = warp * kRows + m;
-      if (r < dk) dst[r * ld + lane] = from_float<D>(scale * s[r * kStateCols + lane] + acc[m]);
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g + 8 * (e / 2), c = n0 + 2 * t + e % 2;
+        if (r < dk && c < cols) dst[r * ld + c] = from_float<D>(scale * s[r * kLdS + c] + acc[e]);
+      }
     }
   }
 
-  __device__ __forceinline__ void set_decays(int count) const {
-    if (threadIdx.x < count) decay[threadIdx.x] = expf(cum[count - 1] - cum[threadIdx.x]);
+  // decay[i] for advance(count), from the chunk's G and k's scales (in decay[] until then).
+  __device__ __forceinline__ void set_decays(const float* k_scale, int count) const {
+    if (threadIdx.x < kChunk) {
+      const int i = threadIdx.x;
+      decay[i] = i < count ? expf(cum[count - 1] - cum[i]) * k_scale[i] : 0.f;
+    }
   }
 };
 
-// Copies the block's columns of S (shared, [kChunkD][32]) into a head's [dk, dv] state in the pool.
+// Copies the block's columns of S (shared) into a head's [dk, dv] state in the pool.
 template <typename S>
 __device__ __forceinline__ void store_columns(S* head, const float* s, int j0, int dk, int dv) {
   for (int idx = threadIdx.x; idx < dk * kStateCols; idx += blockDim.x) {
     const int r = idx / kStateCols, c = idx % kStateCols;
-    if (j0 + c < dv) head[r * dv + j0 + c] = from_float<S>(s[idx]);
+    if (j0 + c < dv) head[r * dv + j0 + c] = from_float<S>(s[r * kLdS + c]);
   }
 }
 
@@ -279,31 +288,31 @@ __global__ void __launch_bounds__(kStateThreads)
                              const int* query_start, const int* seq_lens, const int* state_slots,
                              const int* snapshot_start, const int* snapshot_offsets, const int* snapshot_slots,
                              int tokens, int num_k_heads, int num_v_heads, int dk, int dv) {
+  constexpr int kTerms = sizeof(T) == sizeof(float) ? 3 : 1;
   extern __shared__ float smem[];
-  ChunkState cs;
+  ChunkState<kTerms> cs;
   cs.s = smem;
-  cs.w = cs.s + kChunkD * kStateCols;
-  cs.q = cs.w + kChunk * kChunkD;
-  cs.k = cs.q + kChunk * kChunkD;
-  cs.p = cs.k + kChunk * kChunkD;
-  cs.v = cs.p + kChunk * kChunk;
-  cs.cum = cs.v + kChunk * kStateCols;
+  cs.w = cs.s + kChunkD * kLdS;
+  cs.q = cs.w + kChunk * kLdW;
+  cs.k = cs.q + kChunk * kLdW;
+  cs.p = cs.k + kChunk * kLdK;
+  cs.v = cs.p + kChunk * kLdP;
+  cs.cum = cs.v + kChunk * kLdS;
   cs.decay = cs.cum + kChunk;
-  cs.k_scale = cs.decay + kChunk;
-  cs.lane = threadIdx.x & 31;
+  float* k_scale = cs.decay + kChunk;
   cs.warp = threadIdx.x / 32;
   cs.dk = dk;
-  const int tid = threadIdx.x, lane = cs.lane, warp = cs.warp;
-  constexpr int kRowsPerWarp = kChunk / kStateWarps;
+  const int tid = threadIdx.x, warp = cs.warp, g = (tid & 31) >> 2, t = tid & 3;
+  const int m0 = 16 * (warp / 4), n0 = 8 * (warp % 4);  // this warp's tile of v' and o
 
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
-  const int h = blockIdx.x, b = blockIdx.y, j0 = blockIdx.z * kStateCols, j = j0 + lane;
+  const int h = blockIdx.x, b = blockIdx.y, j0 = blockIdx.z * kStateCols, cols = min(kStateCols, dv - j0);
   const HeadSegment<S> head = head_segment(seg, state, b, h, num_k_heads, num_v_heads, dk, dv);
   const int kh = head.kh, start = head.start, length = head.length;
   const ChunkWorkspace ws(const_cast<float*>(workspace), tokens, num_v_heads, dk, dv);
-  for (int idx = tid; idx < dk * kStateCols; idx += blockDim.x) {
+  for (int idx = tid; idx < kChunkD * kStateCols; idx += blockDim.x) {
     const int r = idx / kStateCols, c = idx % kStateCols;
-    cs.s[idx] = head.cached && j0 + c < dv ? to_float(head.own[r * dv + j0 + c]) : 0.f;
+    cs.s[r * kLdS + c] = head.cached && r < dk && c < cols ? to_float(head.own[r * dv + j0 + c]) : 0.f;
   }
   int next = seg.snapshot_start[b];
   const int last_snapshot = seg.snapshot_start[b + 1];
@@ -319,11 +328,11 @@ __global__ void __launch_bounds__(kStateThreads)
     // One round trip: W, P and U copied straight to shared memory, q and k through registers,
     // G, q's factor (its scale times exp(G), in decay[] until the decays are set) and k's scale.
     const long long head_row = row0 * num_v_heads + h;
-    copy_chunk_rows_async<kChunkD, kStateThreads>(cs.w, kChunkD, ws.w + head_row * dk, num_v_heads * dk, n, dk);
-    copy_chunk_rows_async<kChunk, kStateThreads>(cs.p, kChunk, ws.p + head_row * kChunk, num_v_heads * kChunk, n,
+    copy_chunk_rows_async<kChunkD, kStateThreads>(cs.w, kLdW, ws.w + head_row * dk, num_v_heads * dk, n, dk);
+    copy_chunk_rows_async<kChunk, kStateThreads>(cs.p, kLdP, ws.p + head_row * kChunk, num_v_heads * kChunk, n,
                                                  kChunk);
-    copy_chunk_rows_async<kStateCols, kStateThreads>(cs.v, kStateCols, ws.u + head_row * dv + j0, num_v_heads * dv,
-                                                     n, min(kStateCols, dv - j0));
+    copy_chunk_rows_async<kStateCols, kStateThreads>(cs.v, kLdS, ws.u + head_row * dv + j0, num_v_heads * dv, n,
+                                                     cols);
     cp_async_commit();
     const T* qkv = mixed_qkv + row0 * ld_qkv;
     ChunkRows<kChunkD, kStateThreads, T> q_rows, k_rows;
@@ -334,62 +343,55 @@ __global__ void __launch_bounds__(kStateThreads)
       const float cum = tid < n ? ws.cum[at] : 0.f;
       cs.cum[tid] = cum;
       cs.decay[tid] = tid < n ? ws.q_scale[at] * expf(cum) : 0.f;
-      cs.k_scale[tid] = tid < n ? ws.k_scale[at] : 0.f;
+      k_scale[tid] = tid < n ? ws.k_scale[at] : 0.f;
     }
-    q_rows.store(cs.q, kChunkD);
-    k_rows.store(cs.k, kChunkD);
+    q_rows.store(cs.q, kLdW);
+    k_rows.store(cs.k, kLdK);
     cp_async_wait<0>();
     __syncthreads();
-    // v' = U - W S and q S at rows warp + 16 m, column lane.
-    float ws_acc[kRowsPerWarp] = {}, qs_acc[kRowsPerWarp] = {};
-    for (int r = 0; r < dk; r += 4) {
-      const float s0 = cs.s[r * kStateCols + lane], s1 = cs.s[(r + 1) * kStateCols + lane];
-      const float s2 = cs.s[(r + 2) * kStateCols + lane], s3 = cs.s[(r + 3) * kStateCols + lane];
-#pragma unroll
-      for (int m = 0; m < kRowsPerWarp; ++m) {
-        const int i = warp + kStateWarps * m;
-        const float4 w4 = *reinterpret_cast<const float4*>(cs.w + i * kChunkD + r);
-        const float4 q4 = *reinterpret_cast<const float4*>(cs.q + i * kChunkD + r);
-        ws_acc[m] += w4.x * s0 + w4.y * s1 + w4.z * s2 + w4.w * s3;
-        qs_acc[m] += q4.x * s0 + q4.y * s1 + q4.z * s2 + q4.w * s3;
-      }
+    // This warp's tiles of W S and q S.
+    float ws_acc[4] = {}, o[4] = {};
+    for (int k0 = 0; k0 < dk; k0 += 8) {
+      float a[4], s_frag[2];
+      load_b_rows(s_frag, cs.s, kLdS, k0, n0);
+      load_a_rows(a, cs.w, kLdW, m0, k0);
+      mma_f32<kTerms>(ws_acc, a, s_frag);
+      load_a_rows(a, cs.q, kLdW, m0, k0);
+      mma_f32<kTerms>(o, a, s_frag);
     }
+    // v' = U - W S; o = (q exp(G)) S so far (q's scale and exp(G) are per row).
 #pragma unroll
-    for (int m = 0; m < kRowsPerWarp; ++m) {
-      const int i = warp + kStateWarps * m;
-      cs.v[i * kStateCols + lane] -= ws_acc[m];
-      qs_acc[m] *= cs.decay[i];  // q's scale and exp(G)
+    for (int e = 0; e < 4; ++e) {
+      const int i = m0 + g + 8 * (e / 2);
+      cs.v[i * kLdS + n0 + 2 * t + e % 2] -= ws_acc[e];
+      o[e] *= cs.decay[i];
     }
     __syncthreads();
-    // o = (q exp(G)) S + P v' (P is zero above its diagonal).
-    for (int l = 0; l < kChunk; l += 4) {
-      const float v0 = cs.v[l * kStateCols + lane], v1 = cs.v[(l + 1) * kStateCols + lane];
-      const float v2 = cs.v[(l + 2) * kStateCols + lane], v3 = cs.v[(l + 3) * kStateCols + lane];
-#pragma unroll
-      for (int m = 0; m < kRowsPerWarp; ++m) {
-        const float4 p4 = *reinterpret_cast<const float4*>(cs.p + (warp + kStateWarps * m) * kChunk + l);
-        qs_acc[m] += p4.x * v0 + p4.y * v1 + p4.z * v2 + p4.w * v3;
-      }
+    // o += P v' (P is zero above its diagonal and past n).
+#pragma unroll 2
+    for (int k0 = 0; k0 < kChunk; k0 += 8) {
+      float a[4], b[2];
+      load_a_rows(a, cs.p, kLdP, m0, k0);
+      load_b_rows(b, cs.v, kLdS, k0, n0);
+      mma_f32<kTerms>(o, a, b);
     }
-    if (j < dv) {
 #pragma unroll
-      for (int m = 0; m < kRowsPerWarp; ++m) {
-        const int i = warp + kStateWarps * m;
-        if (i < n) out[(row0 + i) * num_v_heads * dv + h * dv + j] = from_float<T>(qs_acc[m]);
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int i = m0 + g + 8 * (e / 2), c = n0 + 2 * t + e % 2;
+      if (i < n && c < cols) out[(row0 + i) * num_v_heads * dv + h * dv + j0 + c] = from_float<T>(o[e]);
     }
     // Snapshots inside the chunk: the state after its first `offset - t0` tokens.
     for (; next < last_snapshot && seg.snapshot_offsets[next] < t0 + n; ++next) {
       const int count = seg.snapshot_offsets[next] - t0;
       __syncthreads();  // the decays are read
-      cs.set_decays(count);
+      cs.set_decays(k_scale, count);
       __syncthreads();
-      cs.advance(head_state(state, seg.snapshot_slots[next], num_v_heads, h, dk, dv) + j0, dv, j < dv, count);
+      cs.advance(head_state(state, seg.snapshot_slots[next], num_v_heads, h, dk, dv) + j0, dv, cols, count);
     }
     __syncthreads();  // the decays are set (and a snapshot's are read)
-    cs.set_decays(n);
+    cs.set_decays(k_scale, n);
     __syncthreads();
-    cs.advance(cs.s, kStateCols, true, n);
+    cs.advance(cs.s, kLdS, kStateCols, n);
   }
   store_columns(head.own, cs.s, j0, dk, dv);
 }

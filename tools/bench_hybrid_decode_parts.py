@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import RandomDeviceWeights, copy_bandwidth, timed_graph  # noqa: E402
 from bench_hybrid import QWEN3_NEXT_80B_A3B, hybrid_device_weights, one_sequence_step  # noqa: E402
 
+from sparkd.backend.cuda.kernels import moe_router, moe_routing  # noqa: E402
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
+from sparkd.backend.dtypes import DType  # noqa: E402
 from sparkd.models.config import ModelConfig  # noqa: E402
 from sparkd.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
 
@@ -54,11 +56,22 @@ def main() -> int:
     core = make.matrix((1, hv * dv), 1)
     y, router_input, _ = ops.add_rmsnorm_for_router(x, residual, layer.post_attention_layernorm, config.rms_norm_eps)
     gate_up, down, gate = moe.shared_expert
+    routed_out = make.matrix((1, h), 1)  # what the shared expert's gated output is added to
 
     def shared_expert():
         shared = ops.linear(ops.linear_silu_and_mul(y, gate_up), down)
-        return ops.mul_sigmoid(shared, ops.linear(y, gate))
+        return ops.mul_sigmoid(shared, ops.linear(y, gate), add_to=routed_out)
 
+    def route():
+        """moe_router's one launch, as sparse_moe makes it at one token: (weights, alignment)."""
+        weights, expert_ids = ops._routing_outputs(1, config.num_experts, moe.top_k)
+        alignment = moe_routing.MoeAlignment.allocate(ops.allocator, moe.top_k, config.num_experts)
+        logits = ops.allocator.empty((1, config.num_experts), DType.float32)
+        moe_router.moe_router_route_align(weights, expert_ids, alignment, logits, router_input, moe.router,
+                                          moe.renormalize, ops.stream)
+        return weights, alignment
+
+    routed = route()
     parts = [  # (name, work, bytes it must move, launches)
         ("delta net mixer, norm to out_proj",
          lambda: mixer.forward(None, x, residual, layer.input_layernorm, attn, (conv_state, state)),
@@ -78,7 +91,11 @@ def main() -> int:
         ("  routed experts (sparse_moe)", lambda: ops.sparse_moe(y, router_input, moe.router, moe.gate_up_proj,
                                                                  moe.down_proj, moe.top_k, moe.renormalize),
          router_bytes + config.num_experts_per_tok * expert_bytes, None),
-        ("  shared expert and its gate", shared_expert, shared_bytes, 4),
+        ("    router, routing, alignment", route, router_bytes, 1),
+        ("    experts: gate_up, down, combine", lambda: ops._aligned_experts(y, moe.gate_up_proj, moe.down_proj,
+                                                                          *routed),
+         config.num_experts_per_tok * expert_bytes, 3),
+        ("  shared expert, its gate, the add", shared_expert, shared_bytes, 4),
     ]
     print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s; Qwen3-Next-80B-A3B delta-net layer, batch-1 decode, "
           f"{CACHED} cached tokens\n")

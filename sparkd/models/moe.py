@@ -72,7 +72,7 @@ class SparseMoeBlock:
         if self.shared_expert is not None:
             gate_up, down, gate = self.shared_expert
             shared = ops.linear(ops.linear_silu_and_mul(y, gate_up), down)
-            out = ops.add(out, ops.mul_sigmoid(shared, ops.linear(y, gate)))
+            out = ops.mul_sigmoid(shared, ops.linear(y, gate), add_to=out)
         return out, residual
 
 

@@ -155,14 +155,17 @@ def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gate_cols", [1, 64])
-def test_mul_sigmoid_matches_numpy(gpu, rel_error, tolerance, dtype, gate_cols):
-    rng = np.random.default_rng(gate_cols)
+@pytest.mark.parametrize("adds", [False, True])
+def test_mul_sigmoid_matches_numpy(gpu, rel_error, tolerance, dtype, gate_cols, adds):
+    rng = np.random.default_rng(gate_cols + adds)
     x, x_h = _held(gpu, rng.standard_normal((7, 64)), dtype)
     wide, wide_h = _held(gpu, rng.standard_normal((7, 128)), dtype)
+    add_to, add_to_h = _held(gpu, rng.standard_normal((7, 64)), dtype) if adds else (None, None)
     gate = wide.column_slice(64, gate_cols)
     out = gpu.empty((7, 64), dtype)
-    delta_net.mul_sigmoid(out, x, gate, gpu.stream)
-    assert rel_error(gpu.download(out), NumpyOps().mul_sigmoid(x_h, wide_h[:, 64:64 + gate_cols])) <= tolerance[dtype]
+    delta_net.mul_sigmoid(out, x, gate, gpu.stream, add_to)
+    expected = NumpyOps().mul_sigmoid(x_h, wide_h[:, 64:64 + gate_cols], add_to_h)
+    assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
 
 
 # ---- preconditions (no launch, no GPU) ----

@@ -148,8 +148,9 @@ class NumpyOps:
     def split_columns(self, x: np.ndarray, widths: Sequence[int]) -> list[np.ndarray]:
         return [x[:, lo:hi] for lo, hi in column_ranges(x.shape[1], widths)]
 
-    def mul_sigmoid(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
-        return x * gdn.sigmoid(gate)
+    def mul_sigmoid(self, x: np.ndarray, gate: np.ndarray, add_to: np.ndarray | None = None) -> np.ndarray:
+        product = x * gdn.sigmoid(gate)
+        return product if add_to is None else add_to + product
 
     def causal_conv1d_silu(self, x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray,
                            attn: AttentionPlan) -> np.ndarray:

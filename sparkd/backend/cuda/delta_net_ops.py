@@ -42,9 +42,9 @@ class DeltaNetOps:
     def split_columns(self, x: DeviceTensor, widths: Sequence[int]) -> list[DeviceTensor]:
         return [x.column_slice(lo, hi - lo) for lo, hi in column_ranges(x.shape[1], widths)]
 
-    def mul_sigmoid(self, x: DeviceTensor, gate: DeviceTensor) -> DeviceTensor:
+    def mul_sigmoid(self, x: DeviceTensor, gate: DeviceTensor, add_to: DeviceTensor | None = None) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)
-        delta_net.mul_sigmoid(out, x, gate, self.stream)
+        delta_net.mul_sigmoid(out, x, gate, self.stream, add_to)
         return out
 
     def causal_conv1d_silu(self, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,

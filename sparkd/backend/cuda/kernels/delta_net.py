@@ -25,9 +25,9 @@ _RULE_SOURCE = "delta_rule.cu"  # the token-by-token form
 _CHUNKED_SOURCE = "delta_rule_chunked.cu"
 CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
 _CONV_TILE = 64  # kConvTile: tokens a conv thread walks
-MAX_DK = (32, 64, 128)  # kMaxDk instantiations: a thread holds a column of dk state values
+MAX_DK = (32, 64, 128)  # kMaxDk instantiations: kMaxDk / kDeltaRows threads hold a column of dk state values
 _THREADS = 256
-_DELTA_THREADS = 128  # kDeltaThreads
+_DELTA_THREADS, _DELTA_ROWS = 128, 16  # kDeltaThreads, kDeltaRows
 
 
 def _name(kernel: str, *params) -> str:
@@ -53,8 +53,9 @@ SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, s, w)) for t
 _CHUNK, _CHUNK_MAX_D, _STATE_COLS = 64, 128, 32
 _PREPARE_THREADS, _STATE_THREADS = 2 * _CHUNK_MAX_D, 512
 _PREPARE_SMEM_BYTES = 4 * (2 * _CHUNK * (_CHUNK_MAX_D + 1) + _CHUNK * _CHUNK_MAX_D + 2 * _CHUNK)
-_STATE_SMEM_BYTES = 4 * (_CHUNK_MAX_D * _STATE_COLS + 3 * _CHUNK * _CHUNK_MAX_D + _CHUNK * _CHUNK
-                         + _CHUNK * _STATE_COLS + 3 * _CHUNK)
+# The state kernel's rows are padded (kLdS, kLdW, kLdK, kLdP) for conflict-free fragment loads.
+_LD_S, _LD_W, _LD_K, _LD_P = _STATE_COLS + 8, _CHUNK_MAX_D + 4, _CHUNK_MAX_D + 8, _CHUNK + 4
+_STATE_SMEM_BYTES = 4 * (_CHUNK_MAX_D * _LD_S + _CHUNK * (2 * _LD_W + _LD_K + _LD_P + _LD_S) + 3 * _CHUNK)
 FORMS = ("recurrent", "chunked")
 
 
@@ -186,7 +187,7 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
         return
     max_dk = next((m for m in MAX_DK if m >= dk), None)
     require(max_dk is not None, f"dk must be at most {MAX_DK[-1]}, got {dk}")
-    split = max(1, max_dk // 64)  # kSplit: threads sharing a state column
+    split = max_dk // min(max_dk, _DELTA_ROWS)  # kSplit: threads sharing a state column
     threads = min(_DELTA_THREADS, -(-dv * split // 32) * 32)
     get_kernel(KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, state.dtype, max_dk))).launch(
         (hv, attn.num_seqs, -(-dv // (threads // split))), threads,
@@ -215,20 +216,25 @@ def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: D
         stream=stream)
 
 
-def mul_sigmoid(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor, stream: Stream) -> None:
-    """out [T, N] (contiguous) = x * sigmoid(gate): x [T, N], gate [T, N] or [T, 1], rows of
-    either may be spaced; one dtype."""
+def mul_sigmoid(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor, stream: Stream,
+                add_to: DeviceTensor | None = None) -> None:
+    """out [T, N] (contiguous) = x * sigmoid(gate) (+ add_to [T, N], contiguous; out may be it): x
+    [T, N], gate [T, N] or [T, 1], rows of either may be spaced; one dtype."""
     require(x.ndim == 2 and gate.ndim == 2 and gate.shape[0] == x.shape[0] and gate.shape[1] in (1, x.shape[1]),
             f"gate must be [T, N] or [T, 1] beside x [T, N], got {gate.shape} and {x.shape}")
     require(x.strides[1] == 1 and (gate.shape[1] == 1 or gate.strides[1] == 1), "x's and gate's columns contiguous")
     require(gate.dtype is x.dtype and out.dtype is x.dtype and out.shape == x.shape,
             f"out and gate must be in x's dtype {x.dtype.name}, out {x.shape}")
     require_contiguous("out", out)
+    if add_to is not None:
+        require(add_to.shape == x.shape and add_to.dtype is x.dtype, f"add_to must be [T, N] in x's dtype, got {add_to}")
+        require_contiguous("add_to", add_to)
     tokens, width = x.shape
     if tokens == 0 or width == 0:
         return
     ld_gate = gate.row_stride if tokens > 1 else gate.shape[1]
     get_kernel(KernelSpec(_SOURCE, _name("mul_sigmoid_kernel", x.dtype))).launch(
         -(-tokens * width // _THREADS), _THREADS,
-        [out, x, np.int64(row_stride(x)), gate, np.int64(ld_gate), i32(gate.shape[1]), i32(tokens), i32(width)],
+        [out, x, np.int64(row_stride(x)), gate, np.int64(ld_gate), add_to if add_to is not None else np.uint64(0),
+         i32(gate.shape[1]), i32(tokens), i32(width)],
         stream=stream)
