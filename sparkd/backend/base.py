@@ -312,9 +312,8 @@ class Ops(Protocol):
         """x [T, sum(widths)] -> views [T, w] of consecutive column ranges (rows strided), no copies."""
 
     def mul_sigmoid(self, x: Tensor, gate: Tensor, add_to: Tensor | None = None) -> Tensor:
-        """x * sigmoid(gate), gate [T, N] like x [T, N] or [T, 1] (one gate per row), in x's dtype;
-        plus add_to [T, N] (x's dtype) when given, in the same pass. Qwen3-Next's attention output
-        gate, and its shared expert's gate (added to the routed experts' sum)."""
+        """x * sigmoid(gate) (+ add_to [T, N] in the same pass), gate [T, N] like x [T, N] or [T, 1]
+        (one gate per row), in x's dtype. Qwen3-Next's attention output gate and shared expert's gate."""
 
     def causal_conv1d_silu(self, x: Tensor, weight: Tensor, conv_state: Tensor, attn: Any) -> Tensor:
         """silu of a depthwise causal conv along each sequence: x [T, C] (rows may be strided),
