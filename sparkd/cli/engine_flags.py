@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ..engine.args import EngineArgs
+from ..engine.args import STATE_DTYPES, EngineArgs
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="fix the number of KV cache blocks (default: sized from memory)")
     group.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb,
                        help="KV cache budget in GiB on the CPU backend (default: %(default)s)")
-    group.add_argument("--mamba-cache-dtype", choices=("float32", "bfloat16", "float16"),
+    group.add_argument("--mamba-cache-dtype", choices=STATE_DTYPES,
                        default=defaults.mamba_cache_dtype,
                        help="a hybrid model's linear-attention state dtype (default: %(default)s)")
     group.add_argument("--seed", type=int, default=defaults.seed,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+STATE_DTYPES = ("float32", "bfloat16", "float16")  # what --mamba-cache-dtype takes
+
 
 @dataclass
 class EngineArgs:
@@ -37,8 +39,8 @@ class EngineArgs:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.mamba_cache_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"mamba_cache_dtype must be float32, bfloat16 or float16, got {self.mamba_cache_dtype!r}")
+        if self.mamba_cache_dtype not in STATE_DTYPES:
+            raise ValueError(f"mamba_cache_dtype must be one of {', '.join(STATE_DTYPES)}, got {self.mamba_cache_dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

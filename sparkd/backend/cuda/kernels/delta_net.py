@@ -1,8 +1,7 @@
 """Launchers of the gated delta net's kernels (cukernels/delta_net.cu, delta_rule.cu and
-delta_rule_chunked.cu): the
-causal conv + SiLU, the decay / write gates, the delta rule over each sequence with its state
-slot, the gated RMSNorm, and x * sigmoid(gate). Each is the CUDA form of the `Ops` method of the same name
-(`backend/cpu/gdn.py` and `NumpyOps` are the twins).
+delta_rule_chunked.cu): the causal conv + SiLU, the decay / write gates, the delta rule over
+each sequence with its state slot, the gated RMSNorm, and x * sigmoid(gate). Each is the CUDA
+form of the `Ops` method of the same name (`backend/cpu/gdn.py` and `NumpyOps` are the twins).
 
 A step's sequences reach the conv and the delta rule through its CudaAttentionMetadata: the
 varlen offsets, context lengths, state slots and snapshot requests (`snapshot_arrays`).
