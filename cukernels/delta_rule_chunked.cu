@@ -96,7 +96,7 @@ __device__ __forceinline__ void copy_chunk_rows_async(float* dst, int ld_dst, co
 
 // The chunk's q (then normalised and scaled), k (normalised), beta v and beta k exp(G), and A.
 // Grid (ceil(max query length / 64), Hv, B), kPrepareThreads threads; dynamic shared memory:
-// q (then A [kChunk][kChunk + 1]) and k [kChunk][kChunkD + 1], v [kChunk][kChunkD], G and beta
+// q (then A [kChunk][kChunk + 4]) and k [kChunk][kChunkD + 4], v [kChunk][kChunkD], G and beta
 // [kChunk] (the launcher's _PREPARE_SMEM_BYTES): two blocks fit an SM.
 template <typename T>
 __global__ void __launch_bounds__(kPrepareThreads)
@@ -105,8 +105,10 @@ __global__ void __launch_bounds__(kPrepareThreads)
                                const int* __restrict__ query_start, int tokens, int num_k_heads, int num_v_heads,
                                int dk, int dv) {
   extern __shared__ float smem[];
-  constexpr int kLd = kChunkD + 1;  // padded rows: a warp reading 32 rows' element k hits 32 banks
-  constexpr int kLdA = kChunk + 1;
+  // Rows padded to 4 mod 32 floats: the products read 4 columns of a row at once (float4),
+  // and 16 rows' float4s take the fewest shared-memory wavefronts (two).
+  constexpr int kLd = kChunkD + 4;
+  constexpr int kLdA = kChunk + 4;
   float* q_s = smem;  // then A, once q is read
   float* k_s = q_s + kChunk * kLd;
   float* v_s = k_s + kChunk * kLd;
@@ -153,24 +155,31 @@ __global__ void __launch_bounds__(kPrepareThreads)
   __syncthreads();
   if (tid < n) ws.cum[(row0 + tid) * num_v_heads + h] = cum_s[tid];
   // A and P, 16 entries a thread: rows ti + 16 a, columns tl + 16 a' (strided, so that a warp's
-  // 16 columns read 16 banks). A then takes q's place.
+  // 16 columns read 16 banks), 4 columns of q and k a load (dk is a multiple of 4), summed in
+  // column order. A then takes q's place.
   {
     const int ti = tid / 16, tl = tid % 16;
     float kk[4][4] = {}, qk[4][4] = {};
-    for (int c = 0; c < dk; ++c) {
-      float qi[4], ki[4], kl[4];
+    for (int c = 0; c < dk; c += 4) {
+      float4 qi[4], ki[4], kl[4];
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
-        qi[a] = q_s[(ti + 16 * a) * kLd + c];
-        ki[a] = k_s[(ti + 16 * a) * kLd + c];
-        kl[a] = k_s[(tl + 16 * a) * kLd + c];
+        qi[a] = *reinterpret_cast<const float4*>(q_s + (ti + 16 * a) * kLd + c);
+        ki[a] = *reinterpret_cast<const float4*>(k_s + (ti + 16 * a) * kLd + c);
+        kl[a] = *reinterpret_cast<const float4*>(k_s + (tl + 16 * a) * kLd + c);
       }
 #pragma unroll
       for (int a = 0; a < 4; ++a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          kk[a][e] += ki[a] * kl[e];
-          qk[a][e] += qi[a] * kl[e];
+          kk[a][e] += ki[a].x * kl[e].x;
+          kk[a][e] += ki[a].y * kl[e].y;
+          kk[a][e] += ki[a].z * kl[e].z;
+          kk[a][e] += ki[a].w * kl[e].w;
+          qk[a][e] += qi[a].x * kl[e].x;
+          qk[a][e] += qi[a].y * kl[e].y;
+          qk[a][e] += qi[a].z * kl[e].z;
+          qk[a][e] += qi[a].w * kl[e].w;
         }
       }
     }
@@ -190,7 +199,8 @@ __global__ void __launch_bounds__(kPrepareThreads)
   __syncthreads();
   // Forward substitution, a thread per right-hand column (tid < kChunkD: U's column tid, of
   // beta v; else W's column tid - kChunkD, of beta k exp(G)), the column in registers; two
-  // partial sums halve the dependent chain.
+  // partial sums halve the dependent chain. A row of A is read 4 entries a load (a broadcast):
+  // the entries past the diagonal are zeros, so the sums are those of l < i exactly.
   const bool is_u = tid < kChunkD;
   const int col = is_u ? tid : tid - kChunkD;
   if (col >= (is_u ? dv : dk)) return;
@@ -201,12 +211,12 @@ __global__ void __launch_bounds__(kPrepareThreads)
   for (int i = 1; i < kChunk; ++i) {
     float even = x[i], odd = 0.f;
 #pragma unroll
-    for (int l = 0; l < i; ++l) {
-      if (l % 2 == 0) {
-        even -= a_s[i * kLdA + l] * x[l];
-      } else {
-        odd -= a_s[i * kLdA + l] * x[l];
-      }
+    for (int l = 0; l < i; l += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(a_s + i * kLdA + l);
+      even -= a.x * x[l];
+      odd -= a.y * x[l + 1];
+      even -= a.z * x[l + 2];
+      odd -= a.w * x[l + 3];
     }
     x[i] = even + odd;
   }
