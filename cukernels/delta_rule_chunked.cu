@@ -96,7 +96,7 @@ __device__ __forceinline__ void copy_chunk_rows_async(float* dst, int ld_dst, co
 
 // The chunk's q (then normalised and scaled), k (normalised), beta v and beta k exp(G), and A.
 // Grid (ceil(max query length / 64), Hv, B), kPrepareThreads threads; dynamic shared memory:
-// q (then A [kChunk][kChunk + 1]) and k [kChunk][kChunkD + 1], v [kChunk][kChunkD], G and beta
+// q (then A [kChunk][kChunk + 4]) and k [kChunk][kChunkD + 4], v [kChunk][kChunkD], G and beta
 // [kChunk] (the launcher's _PREPARE_SMEM_BYTES): two blocks fit an SM.
 template <typename T>
 __global__ void __launch_bounds__(kPrepareThreads)
@@ -105,8 +105,10 @@ __global__ void __launch_bounds__(kPrepareThreads)
                                const int* __restrict__ query_start, int tokens, int num_k_heads, int num_v_heads,
                                int dk, int dv) {
   extern __shared__ float smem[];
-  constexpr int kLd = kChunkD + 1;  // padded rows: a warp reading 32 rows' element k hits 32 banks
-  constexpr int kLdA = kChunk + 1;
+  // Rows padded to 4 mod 32 floats: conflict-free mma fragments (mma_tf32.cuh), and the
+  // substitution reads 4 entries of a row of A at once (float4).
+  constexpr int kLd = kChunkD + 4;
+  constexpr int kLdA = kChunk + 4;
   float* q_s = smem;  // then A, once q is read
   float* k_s = q_s + kChunk * kLd;
   float* v_s = k_s + kChunk * kLd;
@@ -152,45 +154,44 @@ __global__ void __launch_bounds__(kPrepareThreads)
   }
   __syncthreads();
   if (tid < n) ws.cum[(row0 + tid) * num_v_heads + h] = cum_s[tid];
-  // A and P, 16 entries a thread: rows ti + 16 a, columns tl + 16 a' (strided, so that a warp's
-  // 16 columns read 16 banks). A then takes q's place.
+  // A and P from k k^T and q k^T on the tensor cores (as the state kernel: 3xTF32 in fp32
+  // models). Warp w takes the 16 rows 16 (w / 2) against the 32 columns 32 (w % 2) of both;
+  // its tiles wholly above the diagonal are zeros. A then takes q's place.
   {
-    const int ti = tid / 16, tl = tid % 16;
+    constexpr int kTerms = sizeof(T) == sizeof(float) ? 3 : 1;
+    const int g = (tid & 31) >> 2, t = tid & 3, m0 = 16 * (warp / 2), n_first = 32 * (warp % 2);
     float kk[4][4] = {}, qk[4][4] = {};
-    for (int c = 0; c < dk; ++c) {
-      float qi[4], ki[4], kl[4];
+    for (int k0 = 0; k0 < dk; k0 += 8) {
+      float a_k[4], a_q[4];
+      load_a_rows(a_k, k_s, kLd, m0, k0);
+      load_a_rows(a_q, q_s, kLd, m0, k0);
 #pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        qi[a] = q_s[(ti + 16 * a) * kLd + c];
-        ki[a] = k_s[(ti + 16 * a) * kLd + c];
-        kl[a] = k_s[(tl + 16 * a) * kLd + c];
-      }
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          kk[a][e] += ki[a] * kl[e];
-          qk[a][e] += qi[a] * kl[e];
-        }
+      for (int j = 0; j < 4; ++j) {
+        const int n0 = n_first + 8 * j;
+        if (n0 > m0 + 15) break;  // warp-uniform: this tile and the next are above the diagonal
+        float b[2];
+        load_b_transposed(b, k_s, kLd, k0, n0);
+        mma_f32<kTerms>(kk[j], a_k, b);
+        mma_f32<kTerms>(qk[j], a_q, b);
       }
     }
     __syncthreads();  // q is read
 #pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      const int i = ti + 16 * a;
+    for (int j = 0; j < 4; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int l = tl + 16 * e;
+        const int i = m0 + g + 8 * (e / 2), l = n_first + 8 * j + 2 * t + e % 2;
         const float decay = l <= i ? expf(cum_s[i] - cum_s[l]) : 0.f;
-        a_s[i * kLdA + l] = l < i ? beta_s[i] * kk[a][e] * decay : 0.f;
-        if (i < n) ws.p[((row0 + i) * num_v_heads + h) * kChunk + l] = qk[a][e] * decay;
+        a_s[i * kLdA + l] = l < i ? beta_s[i] * kk[j][e] * decay : 0.f;
+        if (i < n) ws.p[((row0 + i) * num_v_heads + h) * kChunk + l] = qk[j][e] * decay;
       }
     }
   }
   __syncthreads();
   // Forward substitution, a thread per right-hand column (tid < kChunkD: U's column tid, of
   // beta v; else W's column tid - kChunkD, of beta k exp(G)), the column in registers; two
-  // partial sums halve the dependent chain.
+  // partial sums halve the dependent chain. A row of A is read 4 entries a load (a broadcast):
+  // the entries past the diagonal are zeros, so the sums are those of l < i exactly.
   const bool is_u = tid < kChunkD;
   const int col = is_u ? tid : tid - kChunkD;
   if (col >= (is_u ? dv : dk)) return;
@@ -201,12 +202,12 @@ __global__ void __launch_bounds__(kPrepareThreads)
   for (int i = 1; i < kChunk; ++i) {
     float even = x[i], odd = 0.f;
 #pragma unroll
-    for (int l = 0; l < i; ++l) {
-      if (l % 2 == 0) {
-        even -= a_s[i * kLdA + l] * x[l];
-      } else {
-        odd -= a_s[i * kLdA + l] * x[l];
-      }
+    for (int l = 0; l < i; l += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(a_s + i * kLdA + l);
+      even -= a.x * x[l];
+      odd -= a.y * x[l + 1];
+      even -= a.z * x[l + 2];
+      odd -= a.w * x[l + 3];
     }
     x[i] = even + odd;
   }

@@ -8,8 +8,8 @@
 //   A 16x8 (row): a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
 //   B 8x8 (col):  b0 (t, g), b1 (t + 4, g)
 //   C 16x8:       c0 (g, 2t), c1 (g, 2t + 1), c2 (g + 8, 2t), c3 (g + 8, 2t + 1)
-// Bank-conflict-free loads want row strides of 4 mod 32 floats for A read by rows, and 8 mod 32
-// for B and for A read transposed.
+// Bank-conflict-free loads want row strides of 4 mod 32 floats for A read by rows and B read
+// transposed, and 8 mod 32 for B read by rows and A read transposed.
 #pragma once
 
 namespace sparkd {
@@ -75,6 +75,14 @@ __device__ __forceinline__ void load_b_rows(float (&b)[2], const float* m, int l
   const float* p = m + (k0 + t) * ld + n0 + g;
   b[0] = p[0];
   b[1] = p[4 * ld];
+}
+
+// B fragment at (k0, n0) of B = m^T, m row-major [N][K] (row stride ld): b = m[n0 + g][k0 + t (+ 4)].
+__device__ __forceinline__ void load_b_transposed(float (&b)[2], const float* m, int ld, int k0, int n0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float* p = m + (n0 + g) * ld + k0 + t;
+  b[0] = p[0];
+  b[1] = p[4];
 }
 
 }  // namespace sparkd
