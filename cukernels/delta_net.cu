@@ -9,13 +9,14 @@ using namespace sparkd;
 // out [T, C] = silu(depthwise causal conv of x over each sequence's window and new tokens).
 // x: [T, C] at row stride ld_x; weight: [C, W]; conv_state: [slots, C, W - 1] in S, left
 // holding each sequence's last W - 1 inputs (and each snapshot's window).
-// Launch: grid (ceil(C / blockDim.x), ceil(max query length / kConvTile), B): a thread per
-// (channel, tile of kConvTile tokens), its window read from x (or, before the first new token,
-// from the state). The first tile's blocks, the only ones that read the state, also write the
-// snapshots' windows and the state's, from x and what they read.
+// Launch: grid (ceil(C / (kVec blockDim.x)), ceil(max query length / kConvTile), B): a thread per
+// (kVec channels, tile of kConvTile tokens), its window read from x (or, before the first new
+// token, from the state). kVec 4 (one 8- or 16-byte access a token) needs C and ld_x multiples
+// of 4 and x and out so aligned; else kVec 1. The first tile's blocks, the only ones that read the
+// state, also write the snapshots' windows and the state's, from x and what they read.
 constexpr int kConvTile = 64;
 
-template <typename T, typename S, int kWidth>
+template <typename T, typename S, int kWidth, int kVec>
 __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restrict__ x, long long ld_x,
                                           const T* __restrict__ weight, S* __restrict__ conv_state,
                                           const int* query_start, const int* seq_lens, const int* state_slots,
@@ -23,49 +24,70 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
                                           const int* snapshot_slots, int channels) {
   constexpr int kWindow = kWidth - 1;
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
-  const int c = blockIdx.x * blockDim.x + threadIdx.x, tile = blockIdx.y, b = blockIdx.z;
+  const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * kVec, tile = blockIdx.y, b = blockIdx.z;
   const int start = seg.query_start[b], length = seg.query_start[b + 1] - start, t0 = tile * kConvTile;
-  if (c >= channels || (tile > 0 && t0 >= length)) return;
+  if (c0 >= channels || (tile > 0 && t0 >= length)) return;
   const bool cached = seg.seq_lens[b] > length;
-  S* own = conv_state + (static_cast<long long>(seg.state_slots[b]) * channels + c) * kWindow;
-  float w[kWidth], initial[kWindow];
+  S* own = conv_state + (static_cast<long long>(seg.state_slots[b]) * channels + c0) * kWindow;
+  float w[kVec][kWidth], initial[kVec][kWindow];
 #pragma unroll
-  for (int j = 0; j < kWidth; ++j) w[j] = to_float(weight[c * kWidth + j]);
+  for (int v = 0; v < kVec; ++v) {
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) initial[j] = tile == 0 && cached ? to_float(own[j]) : 0.f;
-  // The input at new-token offset t >= -kWindow (below 0: the cached window).
-  auto input = [&](int t) {
+    for (int j = 0; j < kWidth; ++j) w[v][j] = to_float(weight[(c0 + v) * kWidth + j]);
+#pragma unroll
+    for (int j = 0; j < kWindow; ++j) initial[v][j] = tile == 0 && cached ? to_float(own[v * kWindow + j]) : 0.f;
+  }
+  // Channel c0 + v's input at new-token offset t >= -kWindow (below 0: the cached window).
+  auto input = [&](int t, int v) {
     float value = 0.f;
 #pragma unroll
-    for (int j = 0; j < kWindow; ++j) value = t == j - kWindow ? initial[j] : value;
-    return t >= 0 ? to_float(x[(start + t) * ld_x + c]) : value;
+    for (int j = 0; j < kWindow; ++j) value = t == j - kWindow ? initial[v][j] : value;
+    return t >= 0 ? to_float(x[(start + t) * ld_x + c0 + v]) : value;
   };
-  float window[kWindow];
+  float window[kVec][kWindow];
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) window[j] = input(t0 - kWindow + j);
+  for (int v = 0; v < kVec; ++v) {
+#pragma unroll
+    for (int j = 0; j < kWindow; ++j) window[v][j] = input(t0 - kWindow + j, v);
+  }
   const int end = min(length, t0 + kConvTile);
+#pragma unroll 4  // several tokens' loads in flight
   for (int t = t0; t < end; ++t) {
-    const float in = to_float(x[(start + t) * ld_x + c]);
-    float acc = w[kWindow] * in;
+    float in[kVec], result[kVec];
+    load_floats<kVec>(x + (start + t) * ld_x + c0, in);
 #pragma unroll
-    for (int j = 0; j < kWindow; ++j) acc += w[j] * window[j];
-    out[static_cast<long long>(start + t) * channels + c] = from_float<T>(silu(acc));
+    for (int v = 0; v < kVec; ++v) {
+      float acc = w[v][kWindow] * in[v];
 #pragma unroll
-    for (int j = 0; j + 1 < kWindow; ++j) window[j] = window[j + 1];
-    window[kWindow - 1] = in;
+      for (int j = 0; j < kWindow; ++j) acc += w[v][j] * window[v][j];
+      result[v] = silu(acc);
+#pragma unroll
+      for (int j = 0; j + 1 < kWindow; ++j) window[v][j] = window[v][j + 1];
+      window[v][kWindow - 1] = in[v];
+    }
+    store_floats<kVec>(out + static_cast<long long>(start + t) * channels + c0, result);
   }
   if (tile > 0) return;
   for (int next = seg.snapshot_start[b]; next < seg.snapshot_start[b + 1]; ++next) {
-    S* snap = conv_state + (static_cast<long long>(seg.snapshot_slots[next]) * channels + c) * kWindow;
+    S* snap = conv_state + (static_cast<long long>(seg.snapshot_slots[next]) * channels + c0) * kWindow;
     const int t = seg.snapshot_offsets[next];
 #pragma unroll
-    for (int j = 0; j < kWindow; ++j) snap[j] = from_float<S>(input(t - kWindow + j));
+    for (int v = 0; v < kVec; ++v) {
+#pragma unroll
+      for (int j = 0; j < kWindow; ++j) snap[v * kWindow + j] = from_float<S>(input(t - kWindow + j, v));
+    }
   }
-  float last[kWindow];
+  float last[kVec][kWindow];
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) last[j] = input(length - kWindow + j);
+  for (int v = 0; v < kVec; ++v) {
 #pragma unroll
-  for (int j = 0; j < kWindow; ++j) own[j] = from_float<S>(last[j]);
+    for (int j = 0; j < kWindow; ++j) last[v][j] = input(length - kWindow + j, v);
+  }
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) {
+#pragma unroll
+    for (int j = 0; j < kWindow; ++j) own[v * kWindow + j] = from_float<S>(last[v][j]);
+  }
 }
 
 // g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] at row stride ld,
@@ -88,8 +110,10 @@ __global__ void delta_net_gates_kernel(float* __restrict__ g, float* __restrict_
 // out [T, N] = rmsnorm(x) * weight * silu(z) over each group of D = dim columns, with
 // transformers' roundings in T: the normed x, then its product with weight, then the output.
 // x: [T, N] contiguous; z: [T, N] at row stride ld_z; weight: [D].
-// Launch: one warp per (token, group): blockDim 256, grid ceil(T * N / D / 8).
-template <typename T>
+// Launch: one warp per (token, group): blockDim 256, grid ceil(T * N / D / 8). A lane takes kVec
+// consecutive columns an access: kVec 4 needs D and ld_z multiples of 4 and the pointers so
+// aligned; else kVec 1.
+template <typename T, int kVec>
 __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ z,
                                      long long ld_z, const T* __restrict__ weight, int tokens, int width, int dim,
                                      float eps) {
@@ -101,12 +125,25 @@ __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ 
   const int col0 = static_cast<int>(group % groups_per_row) * dim;
   const T* row = x + t * width + col0;
   float sum_sq = 0.f;
-  for (int i = lane; i < dim; i += 32) sum_sq += to_float(row[i]) * to_float(row[i]);
+  for (int i = kVec * lane; i < dim; i += 32 * kVec) {
+    float values[kVec];
+    load_floats<kVec>(row + i, values);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) sum_sq += values[v] * values[v];
+  }
   const float inv_rms = 1.f / sqrtf(warp_reduce(sum_sq, SumOp()) / static_cast<float>(dim) + eps);
-  for (int i = lane; i < dim; i += 32) {
-    const float normed = to_float(from_float<T>(to_float(row[i]) * inv_rms));
-    const float weighted = to_float(from_float<T>(to_float(weight[i]) * normed));
-    out[t * width + col0 + i] = from_float<T>(weighted * silu(to_float(z[t * ld_z + col0 + i])));
+  for (int i = kVec * lane; i < dim; i += 32 * kVec) {
+    float values[kVec], weights[kVec], gates[kVec], result[kVec];
+    load_floats<kVec>(row + i, values);
+    load_floats<kVec>(weight + i, weights);
+    load_floats<kVec>(z + t * ld_z + col0 + i, gates);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const float normed = to_float(from_float<T>(values[v] * inv_rms));
+      const float weighted = to_float(from_float<T>(weights[v] * normed));
+      result[v] = weighted * silu(gates[v]);
+    }
+    store_floats<kVec>(out + t * width + col0 + i, result);
   }
 }
 

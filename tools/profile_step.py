@@ -1,6 +1,6 @@
 """Device time of every kernel of one engine step, measured by Nsight Compute.
 
-  python tools/profile_step.py [--model moe|llama] [--layers 2] [--case decode1 ...]
+  python tools/profile_step.py [--model moe|llama|hybrid] [--layers 2] [--case decode1 ...]
 
 For each case this runs itself under `ncu` (which must be on PATH), profiling only the
 one step between cuProfilerStart and cuProfilerStop, and prints a table per case: each
@@ -10,7 +10,7 @@ kernels take in a real step; ncu serializes the launches, so the launch gaps of 
 replay are not in them: the sum is the step's kernel time, and the gap between that
 sum and the forward's measured time is what launching costs.
 
-Cases (the shapes of bench_decode.py and bench_moe.py, random bf16 weights on the device):
+Cases (the shapes of bench_decode.py, bench_moe.py and bench_hybrid.py, random bf16 weights on the device):
   decode1   batch-1 decode after a 128-token prompt (the captured graph's kernels);
   decode64  batch-64 decode, 1k-token contexts;
   prefill   one prompt of the bench's prefill length, in one step.
@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_decode  # noqa: E402
+import bench_hybrid  # noqa: E402
 import bench_moe  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
 
@@ -41,7 +42,7 @@ from sparkd.backend.cuda.driver import call  # noqa: E402
 from sparkd.backend.cuda.ops import CudaOps  # noqa: E402
 
 CASES = ("decode1", "decode64", "prefill")
-MODELS = {"llama": bench_decode, "moe": bench_moe}
+MODELS = {"llama": bench_decode, "moe": bench_moe, "hybrid": bench_hybrid}
 CHILD_ENV = "SPARKD_PROFILE_STEP_CHILD"  # set in the process ncu runs
 
 

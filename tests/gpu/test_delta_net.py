@@ -81,18 +81,18 @@ def test_snapshot_arrays_are_by_sequence_then_offset():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("state_dtype", DTYPES)
-def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, width, state_dtype):
+@pytest.mark.parametrize("channels, first", [(96, 16), (90, 3)], ids=["4-wide", "1-wide"])  # the kernel's kVec
+def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, width, state_dtype, channels, first):
     rng = np.random.default_rng(width)
     attn, segments, tokens = _attn(gpu)
-    channels = 96
     wide, wide_h = _held(gpu, rng.standard_normal((tokens, channels + 32)), dtype)  # x is a column range of it
-    x = wide.column_slice(16, channels)
+    x = wide.column_slice(first, channels)
     weight, weight_h = _held(gpu, rng.standard_normal((channels, width)) / width, dtype)
     conv_state, window = _held(gpu, rng.standard_normal((NUM_SLOTS, channels, width - 1)), state_dtype)
     out = gpu.empty((tokens, channels), dtype)
     delta_net.causal_conv1d_silu(out, x, weight, conv_state, attn, gpu.stream)
     expected_state = _pool(window, state_dtype)
-    expected = gdn.causal_conv1d_silu(wide_h[:, 16:16 + channels], weight_h, expected_state, segments)
+    expected = gdn.causal_conv1d_silu(wide_h[:, first:first + channels], weight_h, expected_state, segments)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
     # Copies of held inputs, rounded alike: exact.
     assert rel_error(gpu.download(conv_state), gdn.read_state(expected_state)) <= 1e-6
@@ -141,15 +141,18 @@ def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype):
+@pytest.mark.parametrize("dim, first", [(24, 100), (128, 4), (6, 100)], ids=["4-wide", "4-wide-128", "1-wide"])
+def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype, dim, first):
     rng = np.random.default_rng(2)
-    x, x_h = _held(gpu, rng.standard_normal((9, 4 * 24)), dtype)
-    zz, zz_h = _held(gpu, rng.standard_normal((9, 200)), dtype)
-    z = zz.column_slice(100, 96)
-    weight, weight_h = _held(gpu, 1 + 0.1 * rng.standard_normal(24), dtype)
-    out = gpu.empty((9, 96), dtype)
+    width = 4 * dim
+    x, x_h = _held(gpu, rng.standard_normal((9, width)), dtype)
+    zz, zz_h = _held(gpu, rng.standard_normal((9, first + width + 4)), dtype)
+    z = zz.column_slice(first, width)
+    weight, weight_h = _held(gpu, 1 + 0.1 * rng.standard_normal(dim), dtype)
+    out = gpu.empty((9, width), dtype)
     delta_net.gated_rmsnorm(out, x, z, weight, 1e-6, gpu.stream)
-    assert rel_error(gpu.download(out), gdn.gated_rmsnorm(x_h, zz_h[:, 100:196], weight_h, 1e-6)) <= tolerance[dtype]
+    expected = gdn.gated_rmsnorm(x_h, zz_h[:, first:first + width], weight_h, 1e-6)
+    assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
 
 
 @pytest.mark.gpu

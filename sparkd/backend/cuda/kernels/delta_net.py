@@ -26,6 +26,7 @@ CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
 _CONV_TILE = 64  # kConvTile: tokens a conv thread walks
 MAX_DK = (32, 64, 128)  # kMaxDk instantiations: kMaxDk / kDeltaRows threads hold a column of dk state values
 _THREADS = 256
+_VEC = 4  # kVec of the conv and the gated norm where the shapes allow (`_vector_width`)
 _DELTA_THREADS, _DELTA_ROWS = 128, 16  # kDeltaThreads, kDeltaRows
 
 
@@ -37,10 +38,10 @@ def _name(kernel: str, *params) -> str:
 # The linear-attention state (conv windows and recurrent state) is held in one of these (STATE_TYPES,
 # the kernels' S) and computed in float32 whatever it is.
 STATE_TYPES = ELEMENT_TYPES
-SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, s, w)) for t in ELEMENT_TYPES
-          for s in STATE_TYPES for w in CONV_WIDTHS]
-         + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES
-            for k in ("delta_net_gates_kernel", "gated_rmsnorm_kernel", "mul_sigmoid_kernel")]
+SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, s, w, v)) for t in ELEMENT_TYPES
+          for s in STATE_TYPES for w in CONV_WIDTHS for v in (1, _VEC)]
+         + [KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", t, v)) for t in ELEMENT_TYPES for v in (1, _VEC)]
+         + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES for k in ("delta_net_gates_kernel", "mul_sigmoid_kernel")]
          + [KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", t, s, d)) for t in ELEMENT_TYPES
             for s in STATE_TYPES for d in MAX_DK]
          + [KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_prepare_kernel", t)) for t in ELEMENT_TYPES]
@@ -95,6 +96,14 @@ def _segment_args(attn: CudaAttentionMetadata) -> list:
             attn.snapshot_slots if attn.snapshot_slots is not None else empty]
 
 
+def _vector_width(columns: int, *tensors: DeviceTensor) -> int:
+    """kVec: _VEC when `columns` and each 2-D tensor's row stride are multiples of it and each
+    starts at a multiple of it, else 1."""
+    fits = columns % _VEC == 0 and all(row_stride(t) % _VEC == 0 and t.ptr % (_VEC * t.dtype.itemsize) == 0
+                                        for t in tensors)
+    return _VEC if fits else 1
+
+
 def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
                        attn: CudaAttentionMetadata, stream: Stream) -> None:
     """out [T, C] (contiguous, x's dtype) = silu(causal conv of x [T, C] (rows may be spaced) by
@@ -116,8 +125,9 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     segments = _segment_args(attn)
     if tokens == 0:
         return
-    grid = (-(-channels // _THREADS), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
-    get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width))).launch(
+    vec = _vector_width(channels, x, out)
+    grid = (-(-channels // (vec * _THREADS)), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
+    get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width, vec))).launch(
         grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
         stream=stream)
 
@@ -209,7 +219,8 @@ def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: D
     if tokens == 0:
         return
     warps_per_block = _THREADS // 32
-    get_kernel(KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", x.dtype))).launch(
+    vec = _vector_width(dim, x, z, out) if weight.ptr % (_VEC * weight.dtype.itemsize) == 0 else 1
+    get_kernel(KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", x.dtype, vec))).launch(
         -(-tokens * (width // dim) // warps_per_block), _THREADS,
         [out, x, z, np.int64(row_stride(z)), weight, i32(tokens), i32(width), i32(dim), np.float32(eps)],
         stream=stream)
