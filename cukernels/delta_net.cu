@@ -124,19 +124,33 @@ __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ 
   const long long t = group / groups_per_row;
   const int col0 = static_cast<int>(group % groups_per_row) * dim;
   const T* row = x + t * width + col0;
+  const T* gate_row = z + t * ld_z + col0;
+  // The lane's first kVec columns (all it has of a group of up to 32 kVec, as Qwen3-Next's 128)
+  // come with their gates and weights before the reduction: one round trip.
+  const int first = kVec * lane;
+  float values[kVec] = {}, weights[kVec] = {}, gates[kVec] = {};
+  if (first < dim) {
+    load_floats<kVec>(row + first, values);
+    load_floats<kVec>(weight + first, weights);
+    load_floats<kVec>(gate_row + first, gates);
+  }
   float sum_sq = 0.f;
-  for (int i = kVec * lane; i < dim; i += 32 * kVec) {
-    float values[kVec];
-    load_floats<kVec>(row + i, values);
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) sum_sq += values[v] * values[v];
+  for (int v = 0; v < kVec; ++v) sum_sq += values[v] * values[v];
+  for (int i = first + 32 * kVec; i < dim; i += 32 * kVec) {
+    float more[kVec];
+    load_floats<kVec>(row + i, more);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) sum_sq += more[v] * more[v];
   }
   const float inv_rms = 1.f / sqrtf(warp_reduce(sum_sq, SumOp()) / static_cast<float>(dim) + eps);
-  for (int i = kVec * lane; i < dim; i += 32 * kVec) {
-    float values[kVec], weights[kVec], gates[kVec], result[kVec];
-    load_floats<kVec>(row + i, values);
-    load_floats<kVec>(weight + i, weights);
-    load_floats<kVec>(z + t * ld_z + col0 + i, gates);
+  for (int i = first; i < dim; i += 32 * kVec) {
+    if (i > first) {
+      load_floats<kVec>(row + i, values);
+      load_floats<kVec>(weight + i, weights);
+      load_floats<kVec>(gate_row + i, gates);
+    }
+    float result[kVec];
 #pragma unroll
     for (int v = 0; v < kVec; ++v) {
       const float normed = to_float(from_float<T>(values[v] * inv_rms));

@@ -46,10 +46,20 @@ struct ChunkWorkspace {
   }
 };
 
+struct AsIs {
+  __device__ __forceinline__ float operator()(float x) const { return x; }
+};
+
+// The operands of many products, stored rounded for them (mma_tf32.cuh's keep_tf32).
+template <int kTerms>
+struct KeepTf32 {
+  __device__ __forceinline__ float operator()(float x) const { return keep_tf32<kTerms>(x); }
+};
+
 // A thread's share of rows [0, kChunk) x columns [0, kCols) of a row-major source (row i at
 // src + i * ld_src), in two steps so that several tiles' loads are in flight together: load()
 // into registers, zeros at rows >= n and columns >= width (a multiple of 4, as ld_src and src's
-// offset), then store() into dst[i * ld_dst + c] as floats.
+// offset), then store() into dst[i * ld_dst + c] as floats (through op).
 template <int kCols, int kThreads, typename T>
 struct ChunkRows {
   static constexpr int kQuadsPerRow = kCols / 4, kPerThread = kChunk * kQuadsPerRow / kThreads;
@@ -71,11 +81,12 @@ struct ChunkRows {
     }
   }
 
-  __device__ __forceinline__ void store(float* dst, int ld_dst) const {
+  template <typename Op = AsIs>
+  __device__ __forceinline__ void store(float* dst, int ld_dst, Op op = {}) const {
 #pragma unroll
     for (int m = 0; m < kPerThread; ++m) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dst[row(m) * ld_dst + col(m) + e] = to_float(quads[m].v[e]);
+      for (int e = 0; e < 4; ++e) dst[row(m) * ld_dst + col(m) + e] = op(to_float(quads[m].v[e]));
     }
   }
 };
@@ -97,7 +108,8 @@ __device__ __forceinline__ void copy_chunk_rows_async(float* dst, int ld_dst, co
 // The chunk's q (then normalised and scaled), k (normalised), beta v and beta k exp(G), and A.
 // Grid (ceil(max query length / 64), Hv, B), kPrepareThreads threads; dynamic shared memory:
 // q (then A [kChunk][kChunk + 4]) and k [kChunk][kChunkD + 4], v [kChunk][kChunkD], G and beta
-// [kChunk] (the launcher's _PREPARE_SMEM_BYTES): two blocks fit an SM.
+// and exp(G) [kChunk] (the launcher's _PREPARE_SMEM_BYTES): two blocks fit an SM. W and P, which
+// the state kernel reads only as product operands, are stored as it rounds them (keep_tf32).
 template <typename T>
 __global__ void __launch_bounds__(kPrepareThreads)
     delta_chunk_prepare_kernel(float* __restrict__ workspace, const T* __restrict__ mixed_qkv, long long ld_qkv,
@@ -114,7 +126,9 @@ __global__ void __launch_bounds__(kPrepareThreads)
   float* v_s = k_s + kChunk * kLd;
   float* cum_s = v_s + kChunk * kChunkD;
   float* beta_s = cum_s + kChunk;
+  float* exp_cum_s = beta_s + kChunk;
   float* a_s = q_s;
+  constexpr int kTerms = sizeof(T) == sizeof(float) ? 3 : 1;  // as the state kernel's products
 
   const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
   const int start = query_start[b], t0 = blockIdx.x * kChunk, length = query_start[b + 1] - start;
@@ -154,25 +168,27 @@ __global__ void __launch_bounds__(kPrepareThreads)
   }
   __syncthreads();
   if (tid < n) ws.cum[(row0 + tid) * num_v_heads + h] = cum_s[tid];
+  if (tid < kChunk) exp_cum_s[tid] = expf(cum_s[tid]);
   // A and P from k k^T and q k^T on the tensor cores (as the state kernel: 3xTF32 in fp32
   // models). Warp w takes the 16 rows 16 (w / 2) against the 32 columns 32 (w % 2) of both;
   // its tiles wholly above the diagonal are zeros. A then takes q's place.
   {
-    constexpr int kTerms = sizeof(T) == sizeof(float) ? 3 : 1;
     const int g = (tid & 31) >> 2, t = tid & 3, m0 = 16 * (warp / 2), n_first = 32 * (warp % 2);
     float kk[4][4] = {}, qk[4][4] = {};
     for (int k0 = 0; k0 < dk; k0 += 8) {
       float a_k[4], a_q[4];
       load_a_rows(a_k, k_s, kLd, m0, k0);
       load_a_rows(a_q, q_s, kLd, m0, k0);
+      const auto k_frag = to_tf32<kTerms>(a_k), q_frag = to_tf32<kTerms>(a_q);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int n0 = n_first + 8 * j;
         if (n0 > m0 + 15) break;  // warp-uniform: this tile and the next are above the diagonal
         float b[2];
         load_b_transposed(b, k_s, kLd, k0, n0);
-        mma_f32<kTerms>(kk[j], a_k, b);
-        mma_f32<kTerms>(qk[j], a_q, b);
+        const auto b_frag = to_tf32<kTerms>(b);
+        mma_tf32(kk[j], k_frag, b_frag);
+        mma_tf32(qk[j], q_frag, b_frag);
       }
     }
     __syncthreads();  // q is read
@@ -183,7 +199,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
         const int i = m0 + g + 8 * (e / 2), l = n_first + 8 * j + 2 * t + e % 2;
         const float decay = l <= i ? expf(cum_s[i] - cum_s[l]) : 0.f;
         a_s[i * kLdA + l] = l < i ? beta_s[i] * kk[j][e] * decay : 0.f;
-        if (i < n) ws.p[((row0 + i) * num_v_heads + h) * kChunk + l] = qk[j][e] * decay;
+        if (i < n) ws.p[((row0 + i) * num_v_heads + h) * kChunk + l] = keep_tf32<kTerms>(qk[j][e] * decay);
       }
     }
   }
@@ -197,7 +213,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
   if (col >= (is_u ? dv : dk)) return;
   float x[kChunk];
 #pragma unroll
-  for (int i = 0; i < kChunk; ++i) x[i] = beta_s[i] * (is_u ? v_s[i * kChunkD + col] : k_s[i * kLd + col] * expf(cum_s[i]));
+  for (int i = 0; i < kChunk; ++i) x[i] = beta_s[i] * (is_u ? v_s[i * kChunkD + col] : k_s[i * kLd + col] * exp_cum_s[i]);
 #pragma unroll
   for (int i = 1; i < kChunk; ++i) {
     float even = x[i], odd = 0.f;
@@ -215,7 +231,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
   const long long ld = static_cast<long long>(num_v_heads) * (is_u ? dv : dk);
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) {
-    if (i < n) dst[(row0 + i) * ld] = x[i];
+    if (i < n) dst[(row0 + i) * ld] = is_u ? x[i] : keep_tf32<kTerms>(x[i]);
   }
 }
 
@@ -228,6 +244,8 @@ __global__ void __launch_bounds__(kPrepareThreads)
 // (_STATE_SMEM_BYTES), rows padded for conflict-free fragment loads: S [kChunkD][kLdS],
 // W and q [kChunk][kLdW], k [kChunk][kLdK], P [kChunk][kLdP], U then v' [kChunk][kLdS], then G,
 // the decays and k's scales [kChunk]. Rows of S past dk, and columns of W, q, k past dk, are zeros.
+// W, q, k and P are read only as product operands, so they are held as the products round them
+// (keep_tf32: rounded once, not at every fragment load); S and v' are kept whole.
 constexpr int kLdS = kStateCols + 8, kLdW = kChunkD + 4, kLdK = kChunkD + 8, kLdP = kChunk + 4;
 
 template <int kTerms>
@@ -254,7 +272,7 @@ struct ChunkState {
         load_b_rows(b, v, kLdS, k0, n0);
         b[0] *= decay[k0 + t];
         b[1] *= decay[k0 + t + 4];
-        mma_f32<kTerms>(acc, a, b);
+        mma_tf32(acc, stored_tf32<kTerms>(a), to_tf32<kTerms>(b));
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -346,8 +364,8 @@ __global__ void __launch_bounds__(kStateThreads)
       cs.decay[tid] = tid < n ? ws.q_scale[at] * expf(cum) : 0.f;
       k_scale[tid] = tid < n ? ws.k_scale[at] : 0.f;
     }
-    q_rows.store(cs.q, kLdW);
-    k_rows.store(cs.k, kLdK);
+    q_rows.store(cs.q, kLdW, KeepTf32<kTerms>());
+    k_rows.store(cs.k, kLdK, KeepTf32<kTerms>());
     cp_async_wait<0>();
     __syncthreads();
     // This warp's tiles of W S and q S.
@@ -355,10 +373,11 @@ __global__ void __launch_bounds__(kStateThreads)
     for (int k0 = 0; k0 < dk; k0 += 8) {
       float a[4], s_frag[2];
       load_b_rows(s_frag, cs.s, kLdS, k0, n0);
+      const auto s_tf32 = to_tf32<kTerms>(s_frag);
       load_a_rows(a, cs.w, kLdW, m0, k0);
-      mma_f32<kTerms>(ws_acc, a, s_frag);
+      mma_tf32(ws_acc, stored_tf32<kTerms>(a), s_tf32);
       load_a_rows(a, cs.q, kLdW, m0, k0);
-      mma_f32<kTerms>(o, a, s_frag);
+      mma_tf32(o, stored_tf32<kTerms>(a), s_tf32);
     }
     // v' = U - W S; o = (q exp(G)) S so far (q's scale and exp(G) are per row).
 #pragma unroll
@@ -374,7 +393,7 @@ __global__ void __launch_bounds__(kStateThreads)
       float a[4], b[2];
       load_a_rows(a, cs.p, kLdP, m0, k0);
       load_b_rows(b, cs.v, kLdS, k0, n0);
-      mma_f32<kTerms>(o, a, b);
+      mma_tf32(o, stored_tf32<kTerms>(a), to_tf32<kTerms>(b));
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {

@@ -14,7 +14,7 @@
 
 namespace sparkd {
 
-__device__ __forceinline__ unsigned to_tf32(float x) {
+__device__ __forceinline__ unsigned tf32_bits(float x) {
   unsigned bits;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
   return bits;
@@ -28,25 +28,55 @@ __device__ __forceinline__ void mma_tf32_raw(float (&d)[4], const unsigned (&a)[
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// d += a b for fp32 fragments a (16x8) and b (8x8), kTerms 1 or 3 (header).
-template <int kTerms>
-__device__ __forceinline__ void mma_f32(float (&d)[4], const float (&a)[4], const float (&b)[2]) {
+// An operand fragment of N floats as tf32: its head, and for kTerms 3 its tail. Converted once,
+// it serves every product that reads it.
+template <int kTerms, int N>
+struct Tf32Fragment {
   static_assert(kTerms == 1 || kTerms == 3, "one tf32 product, or three of the split operands");
-  unsigned a_hi[4], b_hi[2];
+  unsigned hi[N], lo[kTerms == 3 ? N : 1];
+};
+
+template <int kTerms, int N>
+__device__ __forceinline__ Tf32Fragment<kTerms, N> to_tf32(const float (&x)[N]) {
+  Tf32Fragment<kTerms, N> f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) a_hi[i] = to_tf32(a[i]);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) b_hi[i] = to_tf32(b[i]);
-  if constexpr (kTerms == 3) {
-    unsigned a_lo[4], b_lo[2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a_lo[i] = to_tf32(a[i] - __uint_as_float(a_hi[i]));
-#pragma unroll
-    for (int i = 0; i < 2; ++i) b_lo[i] = to_tf32(b[i] - __uint_as_float(b_hi[i]));
-    mma_tf32_raw(d, a_lo, b_hi);  // the small terms first
-    mma_tf32_raw(d, a_hi, b_lo);
+  for (int i = 0; i < N; ++i) {
+    f.hi[i] = tf32_bits(x[i]);
+    if constexpr (kTerms == 3) f.lo[i] = tf32_bits(x[i] - __uint_as_float(f.hi[i]));
   }
-  mma_tf32_raw(d, a_hi, b_hi);
+  return f;
+}
+
+// Operands that many products read are rounded once, where they are stored, when the product
+// takes one tf32 term: keep_tf32 stores x so, and stored_tf32 reads the values back with no
+// conversion (the same bits cvt.rna gives: it leaves a tf32 value as it is). With kTerms 3 the
+// tail is needed, so keep_tf32 keeps x whole and stored_tf32 splits it.
+template <int kTerms>
+__device__ __forceinline__ float keep_tf32(float x) {
+  return kTerms == 1 ? __uint_as_float(tf32_bits(x)) : x;
+}
+
+template <int kTerms, int N>
+__device__ __forceinline__ Tf32Fragment<kTerms, N> stored_tf32(const float (&x)[N]) {
+  if constexpr (kTerms == 1) {
+    Tf32Fragment<1, N> f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) f.hi[i] = __float_as_uint(x[i]);
+    return f;
+  } else {
+    return to_tf32<kTerms>(x);
+  }
+}
+
+// d += a b for fragments a (16x8) and b (8x8).
+template <int kTerms>
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const Tf32Fragment<kTerms, 4>& a,
+                                         const Tf32Fragment<kTerms, 2>& b) {
+  if constexpr (kTerms == 3) {
+    mma_tf32_raw(d, a.lo, b.hi);  // the small terms first
+    mma_tf32_raw(d, a.hi, b.lo);
+  }
+  mma_tf32_raw(d, a.hi, b.hi);
 }
 
 // A fragment at (m0, k0) of a row-major matrix (row stride ld).

@@ -52,7 +52,7 @@ SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, s, w, v)) fo
 # lay it out.
 _CHUNK, _CHUNK_MAX_D, _STATE_COLS = 64, 128, 32
 _PREPARE_THREADS, _STATE_THREADS = 2 * _CHUNK_MAX_D, 512
-_PREPARE_SMEM_BYTES = 4 * (2 * _CHUNK * (_CHUNK_MAX_D + 4) + _CHUNK * _CHUNK_MAX_D + 2 * _CHUNK)
+_PREPARE_SMEM_BYTES = 4 * (2 * _CHUNK * (_CHUNK_MAX_D + 4) + _CHUNK * _CHUNK_MAX_D + 3 * _CHUNK)
 # The state kernel's rows are padded (kLdS, kLdW, kLdK, kLdP) for conflict-free fragment loads.
 _LD_S, _LD_W, _LD_K, _LD_P = _STATE_COLS + 8, _CHUNK_MAX_D + 4, _CHUNK_MAX_D + 8, _CHUNK + 4
 _STATE_SMEM_BYTES = 4 * (_CHUNK_MAX_D * _LD_S + _CHUNK * (2 * _LD_W + _LD_K + _LD_P + _LD_S) + 3 * _CHUNK)
