@@ -51,21 +51,31 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
     for (int j = 0; j < kWindow; ++j) window[v][j] = input(t0 - kWindow + j, v);
   }
   const int end = min(length, t0 + kConvTile);
-#pragma unroll 4  // several tokens' loads in flight
-  for (int t = t0; t < end; ++t) {
-    float in[kVec], result[kVec];
-    load_floats<kVec>(x + (start + t) * ld_x + c0, in);
+  // kAhead tokens' loads are issued before any of their math: the SiLU's division has a slow-path
+  // branch, across which the compiler does not hoist the next token's load.
+  constexpr int kAhead = 8;
+  for (int base = t0; base < end; base += kAhead) {
+    float in[kAhead][kVec];
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      float acc = w[v][kWindow] * in[v];
-#pragma unroll
-      for (int j = 0; j < kWindow; ++j) acc += w[v][j] * window[v][j];
-      result[v] = silu(acc);
-#pragma unroll
-      for (int j = 0; j + 1 < kWindow; ++j) window[v][j] = window[v][j + 1];
-      window[v][kWindow - 1] = in[v];
+    for (int u = 0; u < kAhead; ++u) {
+      if (base + u < end) load_floats<kVec>(x + (start + base + u) * ld_x + c0, in[u]);
     }
-    store_floats<kVec>(out + static_cast<long long>(start + t) * channels + c0, result);
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      if (base + u >= end) break;
+      float result[kVec];
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        float acc = w[v][kWindow] * in[u][v];
+#pragma unroll
+        for (int j = 0; j < kWindow; ++j) acc += w[v][j] * window[v][j];
+        result[v] = silu(acc);
+#pragma unroll
+        for (int j = 0; j + 1 < kWindow; ++j) window[v][j] = window[v][j + 1];
+        window[v][kWindow - 1] = in[u][v];
+      }
+      store_floats<kVec>(out + static_cast<long long>(start + base + u) * channels + c0, result);
+    }
   }
   if (tile > 0) return;
   for (int next = seg.snapshot_start[b]; next < seg.snapshot_start[b + 1]; ++next) {
