@@ -22,6 +22,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from .dtypes import DType
+from .side_branch import Branching
 
 Tensor = Any
 
@@ -174,9 +175,9 @@ def pre_norm(ops: "Ops", x: Tensor, residual: Tensor | None, weight: Tensor, eps
     return ops.add_rmsnorm(x, residual, weight, eps)
 
 
-class Ops(Protocol):
+class Ops(Branching, Protocol):
     """Compute backend. Every op is functional unless its name ends in `_`
-    or it says it writes a cache."""
+    or it says it writes a cache; `beside` (side_branch.py) runs work concurrently."""
 
     name: str
     dtype: np.dtype  # activation/weight dtype of this backend instance
@@ -190,9 +191,8 @@ class Ops(Protocol):
 
     def empty(self, shape: Sequence[int], dtype: np.dtype) -> Tensor: ...
 
-    def allocate_kv_cache(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> list[tuple[Tensor, Tensor]]:
+    def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                          head_dim: int) -> list[tuple[Tensor, Tensor]]:
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in `self.dtype`, zeroed."""
 
     def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,

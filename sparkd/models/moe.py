@@ -65,15 +65,24 @@ class SparseMoeBlock:
         (`Ops.add_rmsnorm_for_router`), then `Ops.sparse_moe`: the sum over each token's k experts
         of weight * expert(y), plus the gated shared expert where there is one.
         x [T, H] -> ([T, H], residual')."""
-        ops = self.ops
-        y, router_input, residual = ops.add_rmsnorm_for_router(x, residual, norm_weight, self.eps)
-        out = ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
-                             self.renormalize)
-        if self.shared_expert is not None:
-            gate_up, down, gate = self.shared_expert
-            shared = ops.linear(ops.linear_silu_and_mul(y, gate_up), down)
-            out = ops.mul_sigmoid(shared, ops.linear(y, gate), add_to=out)
-        return out, residual
+        y, router_input, residual = self.ops.add_rmsnorm_for_router(x, residual, norm_weight, self.eps)
+        if self.shared_expert is None:
+            return self._routed_experts(y, router_input), residual
+        # The shared expert needs only y, so it runs beside the routed experts (on a GPU beside the
+        # router, whose single routing block leaves the other SMs idle); its gated output joins their sum.
+        with self.ops.beside(lambda: self._shared_expert(y)) as shared:
+            routed = self._routed_experts(y, router_input)
+        return self.ops.mul_sigmoid(*shared.result, add_to=routed), residual
+
+    def _routed_experts(self, y: Tensor, router_input: Tensor) -> Tensor:
+        """`Ops.sparse_moe` of the normed rows y [T, H] -> [T, H]."""
+        return self.ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                                   self.renormalize)
+
+    def _shared_expert(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        """The shared SiLU expert's output [T, H] and its gate's logit [T, 1], before the sigmoid."""
+        gate_up, down, gate = self.shared_expert
+        return self.ops.linear(self.ops.linear_silu_and_mul(y, gate_up), down), self.ops.linear(y, gate)
 
 
 class MoeForCausalLM(DenseForCausalLM):

@@ -214,3 +214,105 @@ def test_a_captured_copy_replays_on_every_launch(gpu):
             np.testing.assert_array_equal(gpu.download(dst), host)
     finally:
         graph.destroy()
+
+
+# ---- captures with a side branch (`Ops.beside`): both streams must leave capture mode ----
+
+class ForkedSum:
+    """On CudaOps fp32: rows [T, 64] -> rows @ w_side^T (side work) + rows @ w_main^T (the block
+    beside it), [T, VOCAB] float32; `forward` is that of a decode step's token embeddings."""
+
+    def __init__(self, ops, rng):
+        self.ops = ops
+        self.host = [rng.standard_normal(shape).astype(np.float32) for shape in ((100, 64), (VOCAB, 64), (VOCAB, 64))]
+        self.table, self.w_side, self.w_main = (ops.upload(a) for a in self.host)
+
+    def __call__(self, rows, fail_in: str | None = None):
+        """fail_in: "side work" or "block" make an illegal call there (a stream synchronize, which
+        invalidates a capture), "python" raises a plain error in the block."""
+        ops = self.ops
+
+        def side_work():
+            out = ops.linear(rows, self.w_side)
+            if fail_in == "side work":
+                ops.stream.synchronize()  # the side stream's, which the capture has taken in
+            return out
+
+        with ops.beside(side_work) as side:
+            main = ops.linear(rows, self.w_main)
+            if fail_in == "block":
+                ops.stream.synchronize()
+            if fail_in == "python":
+                raise RuntimeError("failed in the block")
+        return ops.add(side.result, main)
+
+    def forward(self, inputs):
+        return self(self.ops.embedding(inputs.token_ids, self.table))
+
+    def expected(self, tokens):
+        table, w_side, w_main = (a.astype(np.float64) for a in self.host)
+        return table[tokens] @ (w_side + w_main).T
+
+
+@pytest.fixture
+def forked_sum(cuda_ops_factory):
+    return ForkedSum(cuda_ops_factory("float32"), np.random.default_rng(7))
+
+
+def assert_no_stream_captures(ops):
+    assert not ops.stream.is_capturing() and not ops.lanes.side.stream.is_capturing()
+    assert ops.lanes.current is ops.lanes.main
+
+
+def forked_step(runner, forked, rng, batch, rel_error):
+    positions, meta = decode_meta(rng, batch)
+    tokens = rng.integers(0, 100, size=batch).astype(np.int32)
+    logits = forked.ops.download(runner.run(forked.forward, tokens, positions, meta))
+    assert rel_error(logits, forked.expected(tokens)) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_an_injected_failure_after_a_fork_fails_one_step_and_leaves_both_streams_usable(forked_sum, monkeypatch,
+                                                                                         rel_error):
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+    from sparkd.backend.cuda.graphs import GraphCaptureError
+
+    runner = DecodeGraphRunner(forked_sum.ops, max_batch_size=8, max_blocks_per_seq=3, max_seq_len=12)
+    rng = np.random.default_rng(8)
+    monkeypatch.setenv(FAIL_CAPTURE_ENV, "1")
+    with pytest.raises(GraphCaptureError):
+        forked_step(runner, forked_sum, rng, 2, rel_error)
+    assert_no_stream_captures(forked_sum.ops)
+    monkeypatch.delenv(FAIL_CAPTURE_ENV)
+    try:
+        for step in range(8):  # bucket 2 runs eagerly, its fork too; the others capture theirs
+            forked_step(runner, forked_sum, rng, 1 + step % 4, rel_error)
+        assert runner._slots[2].eager_only and runner._slots[4].graph is not None
+        assert_no_stream_captures(forked_sum.ops)
+    finally:
+        runner.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fail_in, error", [("side work", "CAPTURE"), ("block", "CAPTURE"),
+                                            ("python", "failed in the block")])
+def test_a_capture_that_fails_inside_a_fork_leaves_both_streams_usable(forked_sum, rel_error, fail_in, error):
+    """An invalidating call on either stream between fork and join, or a plain error there: the guard
+    ends the capture, neither stream is left capturing, and an eager fork and a new capture with one
+    then give the right sums."""
+    from sparkd.backend.cuda.graphs import capture
+
+    ops = forked_sum.ops
+    tokens = np.arange(4, dtype=np.int32)
+    rows = ops.embedding(ops.upload(tokens), forked_sum.table)
+    with pytest.raises(Exception, match=error):
+        capture(ops.stream, lambda: forked_sum(rows, fail_in))
+    assert_no_stream_captures(ops)
+    assert rel_error(ops.download(forked_sum(rows)), forked_sum.expected(tokens)) <= 1e-5
+    graph, out = capture(ops.stream, lambda: forked_sum(rows))
+    try:
+        graph.replay(ops.stream)
+        assert rel_error(ops.download(out), forked_sum.expected(tokens)) <= 1e-5
+        assert_no_stream_captures(ops)
+    finally:
+        graph.destroy()

@@ -14,6 +14,7 @@ import numpy as np
 from ..base import (AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, column_ranges,
                     pre_norm)
 from ..dtypes import DType
+from ..side_branch import in_order
 from . import gdn
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from .moe import moe_experts, moe_route, silu_and_mul
@@ -58,6 +59,10 @@ class NumpyOps:
 
     def prepare_attention(self, meta: AttentionMetadata) -> AttentionPlan:
         return plan_attention(meta)
+
+    def beside(self, work):
+        """One op at a time: work, then the with-block (`side_branch.in_order`)."""
+        return in_order(work)
 
     # ---- compute ----
     def embedding(self, token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:

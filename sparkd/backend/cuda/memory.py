@@ -1,9 +1,11 @@
 """Device memory: a caching allocator with separate pools, and the KV-cache memory plan.
 
-All work runs on one stream, so a block freed by Python (its last DeviceTensor view
+Work runs in one stream's order, so a block freed by Python (its last DeviceTensor view
 collected) can be handed to the next allocation at once: stream order guarantees
-the old reader ran before the new writer. cuMemFree is only called when memory runs
-out, never while a graph is being captured (it synchronises the device).
+the old reader ran before the new writer. Work on a second stream beside it (`side_stream.py`)
+holds every block freed between its fork and its join out of the free lists
+(`MemoryPool.holding_frees`). cuMemFree is only called when memory runs out, never while a graph
+is being captured (it synchronises the device).
 
 CUDA graphs allocate from their own pool (`DeviceAllocator.use_pool`): a captured
 graph keeps writing its scratch blocks on every replay, so they must never be
@@ -16,6 +18,7 @@ import logging
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,6 +54,8 @@ class MemoryPool:
         self.reserved_bytes = 0
         self.in_use_bytes = 0
         self._free: dict[int, list[int]] = defaultdict(list)
+        self._holds = 0
+        self._held: list[tuple[int, int]] = []  # (ptr, size) given back while a hold is on
         self._lock = threading.Lock()
 
     def take(self, size: int) -> int | None:
@@ -69,7 +74,27 @@ class MemoryPool:
     def give_back(self, ptr: int, size: int) -> None:
         with self._lock:
             self.in_use_bytes -= size
-            self._free[size].append(ptr)
+            if self._holds:
+                self._held.append((ptr, size))
+            else:
+                self._free[size].append(ptr)
+
+    @contextmanager
+    def holding_frees(self) -> Iterator[None]:
+        """Blocks given back inside the with-block reach the free lists only when it exits (and every
+        hold around it has): until then work on another stream may still use them (a side branch,
+        whose join ends the hold). Neither taken nor drained meanwhile."""
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                if not self._holds:
+                    for ptr, size in self._held:
+                        self._free[size].append(ptr)
+                    self._held.clear()
 
     def drain(self) -> list[tuple[int, int]]:
         """Remove and return every free (ptr, size); the caller frees them."""

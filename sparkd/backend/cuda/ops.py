@@ -1,8 +1,9 @@
 """`CudaOps`: the `Ops` interface on an NVIDIA GPU, through NVRTC kernels and cuBLASLt.
 
-Every op enqueues on one stream and returns at once; only `download`, `sample`
-and the result of `sample_async` wait for the device. Outputs come from the caching allocator, so a step's
-intermediates recycle the previous step's blocks.
+Every op enqueues on the main stream and returns at once, or on the side stream while `beside`
+enqueues side work (`side_stream.py`); only `download`, `sample` and the result of `sample_async`
+wait for the device. Outputs come from the caching allocator, so a step's intermediates recycle
+the previous step's blocks.
 
 One deviation from the functional rule of `Ops`: `add_rmsnorm` updates `residual`
 in place and returns it as residual'. The models never read a residual after
@@ -29,6 +30,7 @@ from .gemm import Gemm
 from .kernels import (activation, attention, attention_prefill_wgmma, delta_net, elementwise, embedding, fault, gemv,
                       gemv_norm, norm, rope_kv, sampling)
 from .memory import DeviceAllocator, KVCachePlan, check_weights_fit, plan_kv_cache
+from .side_stream import Lane, Lanes
 from .tensor import DeviceTensor, as_dtype
 from .transfer import DownloadRing, StagingRing, copy_device, copy_to_host
 from .weights import ChunkedUploader
@@ -46,12 +48,15 @@ class CudaOps(MoeOps, DeltaNetOps):
         if self.dtype not in _MODEL_DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16 on CUDA, got {self.dtype.name}")
         self.device = init_device(device_index)
-        self.stream = Stream()
+        stream, side_stream = Stream(), Stream()
         self.allocator = DeviceAllocator()
-        self.staging = StagingRing(self.allocator, self.stream)
+        self.staging = StagingRing(self.allocator, stream)
         self.downloads = DownloadRing()
-        self.uploader = ChunkedUploader(self.stream)
-        self.gemm = Gemm(self.allocator, self.stream)
+        self.uploader = ChunkedUploader(stream)
+        gemm = Gemm(self.allocator, stream)
+        # `beside`'s side work gets a stream and a cuBLASLt workspace of its own: GEMMs may run on both at once.
+        self.lanes = Lanes(self.allocator, Lane(stream, gemm),
+                           Lane(side_stream, Gemm(self.allocator, side_stream, gemm.table)))
         self._rope_tables: dict[tuple, DeviceTensor] = {}
         self._inject_fault = fault.fault_requested()
         # True runs a one-row step's pre-norms inside the GEMV after each (_pre_norm_product). Off
@@ -60,6 +65,20 @@ class CudaOps(MoeOps, DeltaNetOps):
         self.fuse_norms = False
         log.info("CUDA backend on %s (%s, %d SMs, %.1f GiB), dtype %s", self.device.name, self.device.arch,
                  self.device.sm_count, self.device.total_memory / 2**30, self.dtype.name)
+
+    @property
+    def stream(self) -> Stream:
+        """Where ops enqueue: the main stream, or the side stream while `beside` enqueues side work."""
+        return self.lanes.current.stream
+
+    @property
+    def gemm(self) -> Gemm:
+        """The current lane's GEMM runner (each stream has its own cuBLASLt workspace)."""
+        return self.lanes.current.gemm
+
+    def beside(self, work):
+        """work() on the side stream, beside the with-block's ops on the main one (side_stream.py)."""
+        return self.lanes.beside(work)
 
     def load_kernels(self, progress: Callable[[str], None] | None = None) -> None:
         """Load every kernel module (one per cukernels/ source), compiling what the disk
@@ -72,6 +91,7 @@ class CudaOps(MoeOps, DeltaNetOps):
     # ---- memory ----
     def upload(self, array: np.ndarray, dtype=None) -> DeviceTensor:
         """Host array -> device tensor, in `dtype` if given (else the array's own dtype)."""
+        self.lanes.require_main("an upload")
         array = np.asarray(array)
         target = as_dtype(dtype if dtype is not None else array.dtype)
         if array.nbytes <= _SMALL_UPLOAD:
@@ -83,6 +103,7 @@ class CudaOps(MoeOps, DeltaNetOps):
 
     def upload_many(self, arrays: Sequence[np.ndarray]) -> list[DeviceTensor]:
         """Several small per-step arrays (int32/float32 ...) in one H2D copy."""
+        self.lanes.require_main("an upload")
         return self.staging.upload(list(arrays))
 
     def download(self, x: DeviceTensor) -> np.ndarray:
@@ -137,6 +158,7 @@ class CudaOps(MoeOps, DeltaNetOps):
     def prepare_attention(self, meta: AttentionMetadata) -> CudaAttentionMetadata:
         """One H2D copy for the step's metadata arrays: four, and a hybrid model's state slots and
         snapshot requests (delta_net.snapshot_arrays)."""
+        self.lanes.require_main("an upload")
         arrays = [meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping]
         if meta.state_slots is not None:
             arrays += [meta.state_slots, *delta_net.snapshot_arrays(len(meta.seq_lens), meta.state_snapshots)]
@@ -322,6 +344,7 @@ class CudaOps(MoeOps, DeltaNetOps):
         return self.sample_async(logits, params).result()
 
     def sample_async(self, logits: DeviceTensor, params: SamplingTensors) -> SampledTokens:
+        self.lanes.require_main("sampling")
         if self._inject_fault:
             self._inject_fault = False
             log.warning("%s is set: launching a trapping kernel (test-only)", fault.DEVICE_FAULT_ENV)

@@ -79,8 +79,8 @@ def moe_router_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alig
     router_input and router share a dtype (float32 / float16 / bfloat16); router_input's rows
     may be spaced (a column slice), router is contiguous; K and the row stride are whole
     16-byte chunks and both start 16-byte aligned (`unsupported_reason`). Launches must not
-    overlap: the kernel's blocks count themselves in on one device counter (sparkd runs all
-    work on one stream)."""
+    overlap: the kernel's blocks count themselves in on one device counter (sparkd routes on the
+    main stream only: `Ops.beside` side work never routes)."""
     require(router_input.ndim == 2 and router.ndim == 2,
             f"router_input must be [T, K] and router [E, K], got shapes {router_input.shape} and {router.shape}")
     require_dtype("router_input", router_input, *ELEMENT_TYPES)
