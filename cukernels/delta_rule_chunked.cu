@@ -18,16 +18,12 @@
 // U [T, Hv, dv], P [T, Hv, 64] (row i of its chunk's P), then G, the q scale (dk^-0.5 over
 // |q|) and the k scale (1 / |k|), each [T, Hv]: T Hv (dk + dv + 67) floats
 // (kernels/delta_net.py's chunk_workspace_floats).
-#include "attention_common.cuh"  // cp.async
-#include "delta_net_common.cuh"
-#include "mma_tf32.cuh"
+#include "delta_chunk_rows.cuh"
 
 using namespace sparkd;
-using attn::cp_async_16;
 using attn::cp_async_commit;
 using attn::cp_async_wait;
 
-constexpr int kChunk = 64;
 constexpr int kChunkD = 128;  // dk and dv at most
 constexpr int kPrepareThreads = 2 * kChunkD;
 constexpr int kStateCols = 32, kStateWarps = 16, kStateThreads = 32 * kStateWarps;
@@ -45,65 +41,6 @@ struct ChunkWorkspace {
     k_scale = q_scale + rows;
   }
 };
-
-struct AsIs {
-  __device__ __forceinline__ float operator()(float x) const { return x; }
-};
-
-// The operands of many products, stored rounded for them (mma_tf32.cuh's keep_tf32).
-template <int kTerms>
-struct KeepTf32 {
-  __device__ __forceinline__ float operator()(float x) const { return keep_tf32<kTerms>(x); }
-};
-
-// A thread's share of rows [0, kChunk) x columns [0, kCols) of a row-major source (row i at
-// src + i * ld_src), in two steps so that several tiles' loads are in flight together: load()
-// into registers, zeros at rows >= n and columns >= width (a multiple of 4, as ld_src and src's
-// offset), then store() into dst[i * ld_dst + c] as floats (through op).
-template <int kCols, int kThreads, typename T>
-struct ChunkRows {
-  static constexpr int kQuadsPerRow = kCols / 4, kPerThread = kChunk * kQuadsPerRow / kThreads;
-  static_assert(kChunk * kQuadsPerRow % kThreads == 0, "the tile splits evenly over the threads");
-  Pack<T, 4> quads[kPerThread];
-
-  __device__ __forceinline__ static int row(int m) { return (threadIdx.x + m * kThreads) / kQuadsPerRow; }
-  __device__ __forceinline__ static int col(int m) { return 4 * ((threadIdx.x + m * kThreads) % kQuadsPerRow); }
-
-  __device__ __forceinline__ void load(const T* src, long long ld_src, int n, int width) {
-#pragma unroll
-    for (int m = 0; m < kPerThread; ++m) {
-      if (row(m) < n && col(m) < width) {
-        quads[m] = *reinterpret_cast<const Pack<T, 4>*>(src + row(m) * ld_src + col(m));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) quads[m].v[e] = from_float<T>(0.f);
-      }
-    }
-  }
-
-  template <typename Op = AsIs>
-  __device__ __forceinline__ void store(float* dst, int ld_dst, Op op = {}) const {
-#pragma unroll
-    for (int m = 0; m < kPerThread; ++m) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dst[row(m) * ld_dst + col(m) + e] = op(to_float(quads[m].v[e]));
-    }
-  }
-};
-
-// The same rows of a float32 source copied straight into shared memory (cp.async, zero-filled
-// past n and width); the caller commits and waits.
-template <int kCols, int kThreads>
-__device__ __forceinline__ void copy_chunk_rows_async(float* dst, int ld_dst, const float* src, long long ld_src, int n,
-                                                      int width) {
-  using Rows = ChunkRows<kCols, kThreads, float>;
-#pragma unroll
-  for (int m = 0; m < Rows::kPerThread; ++m) {
-    const int i = Rows::row(m), c = Rows::col(m);
-    const bool valid = i < n && c < width;
-    cp_async_16(dst + i * ld_dst + c, valid ? src + i * ld_src + c : src, valid);
-  }
-}
 
 // The chunk's q (then normalised and scaled), k (normalised), beta v and beta k exp(G), and A.
 // Grid (ceil(max query length / 64), Hv, B), kPrepareThreads threads; dynamic shared memory:
