@@ -125,7 +125,9 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     segments = _segment_args(attn)
     if tokens == 0:
         return
-    vec = _vector_width(channels, x, out)
+    # A step of short queries (decode) has one tile a sequence: a thread per channel keeps 4x the
+    # blocks (Qwen3-Next at batch 1: 32, not 8), which its few bytes need more than wide loads.
+    vec = _vector_width(channels, x, out) if attn.max_query_len >= _CONV_TILE else 1
     grid = (-(-channels // (vec * _THREADS)), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
     get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width, vec))).launch(
         grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
