@@ -1,8 +1,8 @@
 """The decode-path expert GEMMs (moe_gemm: gate_up, down) and the whole `moe_experts` op
-at Qwen3-30B-A3B (or Mixtral) shapes: time per call and the bandwidth of the chosen
+at Qwen3-30B-A3B (or Mixtral, or Qwen3-Next-80B-A3B) shapes: time per call and the bandwidth of the chosen
 experts' weights as a fraction of the device-to-device copy rate measured in the same run.
 
-  python tools/bench_moe_kernels.py [--model qwen3|mixtral] [--tokens 1 4 16 64] [--iters 48]
+  python tools/bench_moe_kernels.py [--model qwen3|mixtral|qwen3-next] [--tokens 1 4 16 64] [--iters 48]
 
 T tokens each choose k distinct experts uniformly at random. Bytes count the weights
 of the experts actually chosen (gate_up: 2I x H, down: H x I each), read once, so 1.0
@@ -33,7 +33,7 @@ from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 # (E, k, H, I)
-MODELS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}
+MODELS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "qwen3-next": (512, 10, 2048, 512)}
 
 
 @dataclass
