@@ -43,11 +43,13 @@ def element_name(kernel: str, dtype: DType, width: int) -> str:
     return f"{kernel}<{dtype.c_type}, {width}>"
 
 
-def vector_width(dtype: DType, tensors: Iterable[DeviceTensor], extents: Iterable[int]) -> int:
-    """Elements per access: 16 bytes' worth when every tensor's address is 16-byte
-    aligned and every extent (a size or stride in elements) divides by it, else 1."""
-    width = vector_widths(dtype)[1]
-    aligned = all(t.ptr % ACCESS_BYTES == 0 for t in tensors)
+def vector_width(dtype: DType, tensors: Iterable[DeviceTensor], extents: Iterable[int], elements: int | None = None
+                 ) -> int:
+    """Elements per access: `elements` (default 16 bytes' worth) when every tensor's address is
+    aligned to that many elements and every extent (a size or stride in elements) divides by it,
+    else 1."""
+    width = elements or vector_widths(dtype)[1]
+    aligned = all(t.ptr % (width * dtype.itemsize) == 0 for t in tensors)
     return width if aligned and all(int(e) % width == 0 for e in extents) else 1
 
 

@@ -17,7 +17,7 @@ from ..attention_metadata import CudaAttentionMetadata
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
 from ..tensor import DeviceTensor
-from . import ELEMENT_TYPES, i32, require, require_contiguous, require_dtype, row_stride
+from . import ELEMENT_TYPES, i32, require, require_contiguous, require_dtype, row_stride, vector_width
 
 _SOURCE = "delta_net.cu"
 _RULE_SOURCE = "delta_rule.cu"  # the token-by-token form
@@ -26,7 +26,7 @@ CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
 _CONV_TILE = 64  # kConvTile: tokens a conv thread walks
 MAX_DK = (32, 64, 128)  # kMaxDk instantiations: kMaxDk / kDeltaRows threads hold a column of dk state values
 _THREADS = 256
-_VEC = 4  # kVec of the conv and the gated norm where the shapes allow (`_vector_width`)
+_VEC = 4  # kVec of the conv and the gated norm where the shapes allow (`vector_width`)
 _DELTA_THREADS, _DELTA_ROWS = 128, 16  # kDeltaThreads, kDeltaRows
 
 
@@ -96,14 +96,6 @@ def _segment_args(attn: CudaAttentionMetadata) -> list:
             attn.snapshot_slots if attn.snapshot_slots is not None else empty]
 
 
-def _vector_width(columns: int, *tensors: DeviceTensor) -> int:
-    """kVec: _VEC when `columns` and each 2-D tensor's row stride are multiples of it and each
-    starts at a multiple of it, else 1."""
-    fits = columns % _VEC == 0 and all(row_stride(t) % _VEC == 0 and t.ptr % (_VEC * t.dtype.itemsize) == 0
-                                        for t in tensors)
-    return _VEC if fits else 1
-
-
 def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
                        attn: CudaAttentionMetadata, stream: Stream) -> None:
     """out [T, C] (contiguous, x's dtype) = silu(causal conv of x [T, C] (rows may be spaced) by
@@ -127,7 +119,8 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
         return
     # A step of short queries (decode) has one tile a sequence: a thread per channel keeps 4x the
     # blocks (Qwen3-Next at batch 1: 32, not 8), which its few bytes need more than wide loads.
-    vec = _vector_width(channels, x, out) if attn.max_query_len >= _CONV_TILE else 1
+    vec = (vector_width(x.dtype, (x, out), (channels, row_stride(x)), elements=_VEC)
+           if attn.max_query_len >= _CONV_TILE else 1)
     grid = (-(-channels // (vec * _THREADS)), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
     get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width, vec))).launch(
         grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
@@ -221,7 +214,7 @@ def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: D
     if tokens == 0:
         return
     warps_per_block = _THREADS // 32
-    vec = _vector_width(dim, x, z, out) if weight.ptr % (_VEC * weight.dtype.itemsize) == 0 else 1
+    vec = vector_width(x.dtype, (x, z, out, weight), (dim, row_stride(z)), elements=_VEC)
     get_kernel(KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", x.dtype, vec))).launch(
         -(-tokens * (width // dim) // warps_per_block), _THREADS,
         [out, x, z, np.int64(row_stride(z)), weight, i32(tokens), i32(width), i32(dim), np.float32(eps)],
