@@ -8,57 +8,83 @@
 
 namespace sparkd {
 
-// The alignment of a decode step's T * k <= 32 pairs (moe_routing.cu's header says what it
-// holds) from their experts, lane p holding pair p's (my_expert; kMaxExperts past the pairs,
-// which sorts them after every expert). No block barrier. A pair's rank among its expert's
-// pairs is the number of lower lanes that share the expert (the stable order), its expert's
-// offset the number of pairs of lower experts; each expert's lowest lane places it among the
-// active ones. Every lane of one warp calls it.
-__device__ __forceinline__ void align_pairs_warp(int my_expert, int* offsets, int* sorted_pairs, int* row_of_pair,
+constexpr int kMaxPairs = 32;    // a decode step's T * k: a pair a lane
+constexpr int kExpertBits = 11;  // the bits of an id up to kMaxExperts, which the lanes past the pairs hold
+
+// The alignment of a decode step's T * k <= 32 pairs but offsets [0, E) (write_pair_offsets),
+// lane p holding pair p's expert (my_expert; kMaxExperts past the pairs, which sorts them after
+// every expert). No block barrier. A pair's row is the number of pairs of lower experts plus the
+// number of lower lanes that share its expert (the stable order); each expert's lowest lane
+// places it among the active ones. Every lane of one warp calls it.
+__device__ __forceinline__ void order_pairs_warp(int my_expert, int* offsets, int* sorted_pairs, int* row_of_pair,
                                                  int* active_experts, int* num_active, int num_pairs,
                                                  int num_experts) {
   const int lane = threadIdx.x & 31;
-  const unsigned peers = __match_any_sync(kFullMask, my_expert);
-  const bool leader = lane < num_pairs && __ffs(peers) - 1 == lane;  // the expert's first pair
+  // The lanes of lower experts (below) and of this lane's (peers), from the ids' bits, high to
+  // low: a lane leaves the peers at the first bit where the two ids differ, and is below when its
+  // bit is 0 there. kExpertBits ballots, however many pairs there are (not a shuffle a pair).
+  unsigned below = 0, peers = kFullMask;
+#pragma unroll
+  for (int bit = kExpertBits - 1; bit >= 0; --bit) {
+    const bool one = (my_expert >> bit) & 1;
+    const unsigned ones = __ballot_sync(kFullMask, one);
+    if (one) below |= peers & ~ones;
+    peers &= one ? ones : ~ones;
+  }
+  const unsigned lower_lanes = (1u << lane) - 1u;
+  const bool leader = lane < num_pairs && (peers & lower_lanes) == 0;  // the expert's first pair
   const unsigned leaders = __ballot_sync(kFullMask, leader);
-  int lower_pairs = 0, lower_experts = 0;  // of lower experts than this lane's
-  int counts[kSlots] = {};                 // offsets[lane + 32 * i]: the pairs of lower experts
-  for (int q = 0; q < num_pairs; ++q) {
-    const int other = __shfl_sync(kFullMask, my_expert, q);
-    lower_pairs += other < my_expert;
-    lower_experts += ((leaders >> q) & 1u) && other < my_expert;
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      if (32 * i >= num_experts) break;
-      counts[i] += other < lane + 32 * i;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    if (32 * i >= num_experts) break;
-    if (lane + 32 * i < num_experts) offsets[lane + 32 * i] = counts[i];
-  }
   if (lane < num_pairs) {
-    const int row = lower_pairs + __popc(peers & ((1u << lane) - 1u));
+    const int row = __popc(below) + __popc(peers & lower_lanes);
     row_of_pair[lane] = row;
     sorted_pairs[row] = lane;
   }
-  if (leader) active_experts[lower_experts] = my_expert;
+  if (leader) active_experts[__popc(below & leaders)] = my_expert;
   if (lane == 0) {
     offsets[num_experts] = num_pairs;
     *num_active = __popc(leaders);
   }
 }
 
+// offsets[e] = the pairs of lower experts than e, for the experts e = first + stride * i < E
+// (i < kPerThread): a warp's lane of stride 32, or a block's thread of stride blockDim.x.
+// experts: pair q's expert at q < num_pairs, in shared memory, kMaxPairs long and 16-byte aligned,
+// read four pairs a load.
+template <int kPerThread>
+__device__ __forceinline__ void write_pair_offsets(int* offsets, const int* experts, int num_pairs, int num_experts,
+                                                   int first, int stride) {
+  int counts[kPerThread] = {};
+  for (int q = 0; q < num_pairs; q += 4) {
+    const int4 four = *reinterpret_cast<const int4*>(experts + q);
+    const int others[4] = {four.x, four.y, four.z, four.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const bool pair = q + u < num_pairs;
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        if (stride * i >= num_experts) break;
+        counts[i] += pair && others[u] < first + stride * i;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (stride * i >= num_experts) break;
+    if (first + stride * i < num_experts) offsets[first + stride * i] = counts[i];
+  }
+}
+
 // weights [T, k] float32, expert_ids [T, k] int32 and the alignment of the T * k pairs from
 // logits (a RouterLogits over [T, E]): route_token per token, lane p keeping pair p, then
-// align_pairs_warp. Every lane of one warp calls it; limits as moe_route_kernel.
+// order_pairs_warp and write_pair_offsets. Every lane of one warp calls it; limits as
+// moe_route_kernel.
 template <typename Logits>
 __device__ __forceinline__ void route_align_warp(float* weights, int* expert_ids, int* offsets, int* sorted_pairs,
                                                  int* row_of_pair, int* active_experts, int* num_active,
                                                  const Logits& logits, int num_tokens, int num_experts, int top_k,
                                                  bool renormalize) {
   const int lane = threadIdx.x & 31;
+  __shared__ alignas(16) int pair_experts[kMaxPairs];
   int my_expert = kMaxExperts;
   for (int token = 0; token < num_tokens; ++token) {
     int expert;
@@ -75,8 +101,11 @@ __device__ __forceinline__ void route_align_warp(float* weights, int* expert_ids
       expert_ids[lane] = expert;
     }
   }
-  align_pairs_warp(my_expert, offsets, sorted_pairs, row_of_pair, active_experts, num_active, num_tokens * top_k,
-                   num_experts);
+  const int num_pairs = num_tokens * top_k;
+  pair_experts[lane] = my_expert;
+  __syncwarp();
+  order_pairs_warp(my_expert, offsets, sorted_pairs, row_of_pair, active_experts, num_active, num_pairs, num_experts);
+  write_pair_offsets<kSlots>(offsets, pair_experts, num_pairs, num_experts, lane, 32);
 }
 
 }  // namespace sparkd

@@ -3,7 +3,8 @@ top-8, hidden 2048): routing, alignment, both in one call, and the weighted comb
 then the decode router (router GEMM, routing and alignment) in two launches against one;
 time per call and bandwidth as a fraction of the device-to-device copy rate.
 
-  python tools/bench_moe_routing.py [--tokens 1 64 4096] [--router-tokens 1 2 4] [--iters 50]
+  python tools/bench_moe_routing.py [--tokens 1 64 4096] [--router-tokens 1 2 4]
+                                    [--router-shapes 128:8 512:10] [--iters 50]
 
 Routing, alignment and moe_route_align are latency-bound: their bytes (logits read,
 ids and alignment written) are tiny, and the time is what a graph-replayed step pays,
@@ -15,10 +16,12 @@ pairs over the experts as real traffic does; the timed launches are replayed fro
 one CUDA graph, so Python launch overhead is not counted.
 
 The decode router reads router_input [T, 2H] = [y | y_lo] against the router [E, 2H] = [W | W]
-in bf16 (K = 4096, 1 MB of weights), as CudaOps.sparse_moe does: "router GEMM + route_align"
-is the GEMM (gemm.Gemm: the measured table's pick, gemv or cuBLASLt) into fp32 logits, then
-moe_route_align; "router_route_align" is moe_router's one launch. Successive calls read
-different copies of the router, 64 MB in all, so its weights come from DRAM as in a decode step.
+in bf16 (K = 4096: 1 MB of weights at E 128, 4 MB at Qwen3-Next's E 512), as CudaOps.sparse_moe
+does, for each E:k of --router-shapes and each T of --router-tokens with T * k <= 32: "router GEMM
++ route_align" is the GEMM (gemm.Gemm: the measured table's pick, gemv or cuBLASLt) into fp32
+logits, then moe_route_align; "router_route_align" is moe_router's one launch. Successive calls
+read different copies of the router, 64 MB or more in all, so its weights come from DRAM as in a
+decode step.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 HIDDEN, EXPERTS, TOP_K = 2048, 128, 8
-ROUTER_COPIES = 64  # 1 MB each: more than the H200's 50 MB of L2
+ROUTERS_BYTES = 64 << 20  # the router's copies together: more than the H200's 50 MB of L2
 
 
 class Bench(DeviceBench):
@@ -92,20 +95,20 @@ def bench_tokens(b: Bench, tokens: int) -> None:
              (pairs + tokens) * HIDDEN * b.dtype.itemsize)
 
 
-def bench_router(b: Bench, gemm: Gemm, routers: list[DeviceTensor], tokens: int) -> None:
+def bench_router(b: Bench, gemm: Gemm, routers: list[DeviceTensor], tokens: int, top_k: int) -> None:
     """Each call reads the next of `routers` (more MB than L2 holds), so that the router's weights come
     from DRAM, as in a decode step, where every other layer's weights pass through L2 in between."""
-    width = routers[0].shape[1]
+    experts, width = routers[0].shape
     router_input = b.upload(b.rng.standard_normal((tokens, width)).astype(np.float32), DType.bfloat16)
     next_router = itertools.cycle(routers).__next__
-    router_logits = b.allocator.empty((tokens, EXPERTS), DType.float32)
-    weights = b.allocator.empty((tokens, TOP_K), DType.float32)
-    expert_ids = b.allocator.empty((tokens, TOP_K), DType.int32)
-    alignment = moe_routing.MoeAlignment.allocate(b.allocator, tokens * TOP_K, EXPERTS)
-    pairs = tokens * TOP_K
-    nbytes = ((EXPERTS + tokens) * width * 2 + tokens * EXPERTS * 4  # router and rows in, logits out
-              + pairs * 8 + 4 * (EXPERTS + 1 + 2 * pairs + min(EXPERTS, pairs) + 1))  # the routing and alignment out
-    shape = f"{tokens}x{width} @ {EXPERTS}x{width} bf16, k={TOP_K}"
+    router_logits = b.allocator.empty((tokens, experts), DType.float32)
+    weights = b.allocator.empty((tokens, top_k), DType.float32)
+    expert_ids = b.allocator.empty((tokens, top_k), DType.int32)
+    alignment = moe_routing.MoeAlignment.allocate(b.allocator, tokens * top_k, experts)
+    pairs = tokens * top_k
+    nbytes = ((experts + tokens) * width * 2 + tokens * experts * 4  # router and rows in, logits out
+              + pairs * 8 + 4 * (experts + 1 + 2 * pairs + min(experts, pairs) + 1))  # the routing and alignment out
+    shape = f"{tokens}x{width} @ {experts}x{width} bf16, k={top_k}"
 
     def two_launches() -> None:
         gemm(router_logits, router_input, next_router())
@@ -119,11 +122,20 @@ def bench_router(b: Bench, gemm: Gemm, routers: list[DeviceTensor], tokens: int)
     b.report("router_route_align", shape, one_launch, nbytes)
 
 
+def router_shape(text: str) -> tuple[int, int]:
+    """(E, k) from "E:k", e.g. "512:10"."""
+    experts, top_k = text.split(":")
+    return int(experts), int(top_k)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, 50)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 64, 4096],
+                        help="routing batches (none: only the decode router)")
     parser.add_argument("--router-tokens", type=int, nargs="+", default=[1, 2, 4],
-                        help="decode batches of the router rows (T * 8 <= 32)")
+                        help="decode batches of the router rows (those with T * k <= 32 run)")
+    parser.add_argument("--router-shapes", type=router_shape, nargs="+", default=[(EXPERTS, TOP_K)],
+                        help="the decode router's experts and choices, E:k (Qwen3-30B-A3B 128:8, Qwen3-Next 512:10)")
     args = parser.parse_args(argv)
 
     bench = Bench(args.iters)
@@ -136,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         bench.allocator.release_cached()
     gemm = Gemm(bench.allocator, bench.stream)
     width = 2 * HIDDEN  # [y | y_lo] against [W | W]
-    router = (bench.rng.standard_normal((EXPERTS, width)) / np.sqrt(width)).astype(np.float32)
-    routers = [bench.upload(router, DType.bfloat16) for _ in range(ROUTER_COPIES)]
-    for tokens in args.router_tokens:
-        bench_router(bench, gemm, routers, tokens)
+    for experts, top_k in args.router_shapes:
+        router = (bench.rng.standard_normal((experts, width)) / np.sqrt(width)).astype(np.float32)
+        routers = [bench.upload(router, DType.bfloat16) for _ in range(-(-ROUTERS_BYTES // (router.size * 2)))]
+        for tokens in args.router_tokens:
+            if tokens * top_k <= moe_routing.WARP_MAX_PAIRS:
+                bench_router(bench, gemm, routers, tokens, top_k)
     return 0
 
 

@@ -9,13 +9,17 @@ alignment by its last block) against numpy.
   routing: ids and alignment exactly, weights within 1e-6 (fp32 softmax on both sides); and bit
   for bit what moe_route_align, today's second launch, makes of those same logits.
 - T = 1 to 4 tokens (no more than 32 // k) and 32 // k (the most one launch takes), E = 8 / 60
-  / 128 / 256 with k = 1 / 2 / 8, E = 512 with k = 2 and 10 (Qwen3-Next's), E = 1024 with
-  k = 16 (the limits), K = 64 to 4104 (4104 fp32 takes two passes), fp32 / bf16 / fp16,
-  router_input a column slice whose rows are spaced wider than K, renormalised or not.
+  / 128 / 256 with k = 1 / 2 / 8, E = 301 with k = 8, E = 512 with k = 2 and 10 (Qwen3-Next's),
+  E = 1024 with k = 16 (the limits), K = 64 to 4104 (4104 fp32 at E >= 256 takes two passes), fp32
+  / bf16 / fp16, router_input a column slice whose rows are spaced wider than K, renormalised or not.
   T * E <= 4096 routes by the whole last block (moe_route_block.cuh), more (E = 256 at T = 32,
   E = 512 at T = 16) by its first warp.
+- The folded grid (router_grid, when a row's warps would not fit in one wave: E 301 / 512 / 1024
+  at K 2048 fp32 or 4096, a warp playing two of the kernel's order warps, blocks of 16 warps) gives
+  every output bit for bit as the grid of one order warp a warp, which sums in the kernel's order
+  as it did before the fold; E 301 leaves the last block slots past E.
 - Tied logits (repeated router rows, a zero token): ties go to the lower expert id on both paths.
-- The arrival counter: launches back to back, of one shape and of two, and graph replays.
+- The arrival counter: launches back to back, of one shape and of three, and graph replays.
 - The operands CudaOps.add_rmsnorm_for_router and router_weight make ([y | y_lo] and [W | W] in
   bf16 / fp16): the logits of the unrounded rows.
 """
@@ -124,9 +128,10 @@ class RouterCase:
 
 
 # (512, 2) at T = 16 (8192 logits) takes the one-warp path at a large E; (512, 10) is
-# Qwen3-Next's router and (1024, 16) the limits, whole blocks at T <= 3 and T <= 2.
+# Qwen3-Next's router and (1024, 16) the limits, whole blocks at T <= 3 and T <= 2; (301, 8) a
+# folded grid whose last block has slots past E.
 SHAPES = [(num_experts, top_k) for num_experts in (8, 60, 128, 256) for top_k in (1, 2, 8)] + [
-    (512, 2), (512, 10), (1024, 16)]
+    (301, 8), (512, 2), (512, 10), (1024, 16)]
 
 
 @pytest.mark.gpu
@@ -169,15 +174,50 @@ def test_router_breaks_ties_to_the_lower_expert(gpu, rel_error, dtype, num_exper
             assert len(np.unique(row)) < num_experts
 
 
+def outputs(case: RouterCase) -> dict[str, np.ndarray]:
+    """Every output of the case's last launch, by name."""
+    named = {"router_logits": case.router_logits, "weights": case.weights, "expert_ids": case.expert_ids}
+    downloaded = {name: case.gpu.download(tensor) for name, tensor in named.items()}
+    return {**downloaded, **download_alignment(case.gpu, case.alignment)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,width", [("bfloat16", 4096), ("float32", 2048), ("float32", 4104)])
+@pytest.mark.parametrize("num_experts,top_k", [(301, 8), (512, 10), (1024, 16)])
+def test_router_folded_grid_sums_as_the_unfolded_one(gpu, rel_error, monkeypatch, dtype, width, num_experts,
+                                                     top_k):
+    """router_grid folds these rows (fewer warps an expert, 16-warp blocks); without the fold
+    (_WAVE_WARPS past any E) each warp is one order warp, as in every grid before the fold: the
+    logits, and so the routing and alignment, are the same bits. T = 1, 2 and 32 // k, renormalised."""
+    chunks = width * DType.parse(dtype).itemsize // 16
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_router, "_WAVE_WARPS", 1 << 30)  # every grid fits: no fold
+        unfolded_grid = moe_router.router_grid(num_experts, chunks)
+    folded_grid = moe_router.router_grid(num_experts, chunks)
+    assert folded_grid[1] == 512 and 2 * folded_grid[2] == unfolded_grid[2]
+    rng = np.random.default_rng(num_experts + width)
+    for num_tokens in sorted({1, 2, 32 // top_k}):
+        case = RouterCase(gpu, rng, num_tokens, num_experts, top_k, width, dtype)
+        case.run_and_check(rel_error, renormalize=True)
+        folded = outputs(case)
+        with monkeypatch.context() as patch:
+            patch.setattr(moe_router, "router_grid", lambda *_: unfolded_grid)
+            case.run_and_check(rel_error, renormalize=True)
+        for name, values in outputs(case).items():
+            np.testing.assert_array_equal(folded[name], values, err_msg=name)
+
+
 @pytest.mark.gpu
 def test_router_counter_resets_for_the_next_launch(gpu, rel_error):
     """The blocks count themselves in on one device counter that the last block resets: the same
-    launch twice in a row, then two shapes of different grids (128 blocks, then one) back to back,
-    and again. A counter left behind would make no block the last one, and leave the outputs poisoned."""
+    launch twice in a row, then shapes of different grids (128 blocks of 8 warps, one, 128 of 16)
+    back to back, and again. A counter left behind would make no block the last one, and leave the
+    outputs poisoned."""
     rng = np.random.default_rng(11)
     decode = RouterCase(gpu, rng, 1, 128, 8, 4096, "bfloat16")
     small = RouterCase(gpu, rng, 16, 8, 2, 64, "float32")
-    for case in (decode, decode, small, decode, small, small):
+    folded = RouterCase(gpu, rng, 2, 512, 10, 4096, "bfloat16")
+    for case in (decode, decode, small, decode, small, small, folded, decode, folded):
         case.new_inputs(rng)
         case.run_and_check(rel_error, renormalize=True)
 

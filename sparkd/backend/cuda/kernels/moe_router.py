@@ -22,9 +22,11 @@ from . import ACCESS_BYTES, ELEMENT_TYPES, i32, require, require_contiguous, req
 from .moe_routing import WARP_MAX_PAIRS, MoeAlignment, check_route_align
 
 _SOURCE = "moe_router.cu"
-_CHUNKS_PER_THREAD = 2  # kRouterChunks: 16-byte chunks of a router row a thread loads per pass
-_MAX_WARPS = 16  # kRouterMaxWarps
+_ORDER_CHUNKS = 2  # kRouterOrderChunks: a row's chunks each of the kernel's order threads adds up
+_MAX_WARPS = 16  # kRouterMaxWarps: the most warps a block has, and the 16 an SM holds (its launch bound)
+_MAX_FOLDS = 2  # kRouterMaxFolds
 _BLOCK_WARPS = 8  # short rows: experts share blocks of this many warps
+_WAVE_WARPS = 16 * 128  # the warps one wave holds: 16 an SM on 128 SMs, about an H100's or H200's 132
 
 
 def _spec(dtype: DType) -> KernelSpec:
@@ -36,12 +38,19 @@ SPECS = [_spec(dtype) for dtype in ELEMENT_TYPES]
 
 def router_grid(num_experts: int, num_chunks: int) -> tuple[int, int, int]:
     """(blocks, threads per block, warps per expert) for E router rows of `num_chunks` 16-byte
-    chunks: enough warps per row (up to _MAX_WARPS) that a thread loads at most
-    _CHUNKS_PER_THREAD chunks of it, every load in flight at once; rows that need fewer than
-    _BLOCK_WARPS warps share a block. E 128, K 4096 bf16: 128 blocks of 8 warps, about one an
-    H200 SM."""
-    warps_per_expert = min(_MAX_WARPS, max(1, -(-num_chunks // (32 * _CHUNKS_PER_THREAD))))
-    experts_per_block = max(1, _BLOCK_WARPS // warps_per_expert)
+    chunks. The kernel's order of sums splits a row over the warps (up to _MAX_WARPS) that give a
+    thread _ORDER_CHUNKS chunks of it, and the grid gives each row that many warps, every load in
+    flight at once; rows that need fewer than _BLOCK_WARPS warps share a block. E 128, K 4096 bf16:
+    128 blocks of 8 warps, about one an H200 SM. When those warps would not fit in one wave, a warp
+    plays two of them (the same sums, twice the chunks a thread) and experts share blocks of
+    _MAX_WARPS warps, one an SM: E 512, K 4096 bf16, 128 blocks of 4 experts of 4 warps, not 512
+    blocks of 8 warps in two waves."""
+    warps_per_expert = min(_MAX_WARPS, max(1, -(-num_chunks // (32 * _ORDER_CHUNKS))))
+    if num_experts * warps_per_expert <= _WAVE_WARPS or warps_per_expert % _MAX_FOLDS:
+        experts_per_block = max(1, _BLOCK_WARPS // warps_per_expert)
+    else:
+        warps_per_expert //= _MAX_FOLDS
+        experts_per_block = _MAX_WARPS // warps_per_expert
     return -(-num_experts // experts_per_block), 32 * warps_per_expert * experts_per_block, warps_per_expert
 
 
