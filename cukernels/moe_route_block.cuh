@@ -133,9 +133,12 @@ __device__ void route_align_block(float* weights, int* expert_ids, int* offsets,
 
   // A warp per token sums its softmax; the warps past them (all, when they are too few) write the
   // offsets, a few experts a thread, and the last warp (free of tokens while T < its warps)
-  // orders the pairs.
+  // orders the pairs. The spare threads are counted signed: blockDim.x is unsigned, so with more
+  // tokens than warps (T 16 or 32 on 8) the difference would wrap to a huge count, first_helper
+  // would lie past every thread, and no thread would write offsets [0, E).
   const int num_pairs = num_tokens * top_k;
-  const int first_helper = blockDim.x - 32 * num_tokens >= kMinRouteThreads ? 32 * num_tokens : 0;
+  const int spare_threads = static_cast<int>(blockDim.x) - 32 * num_tokens;
+  const int first_helper = spare_threads >= kMinRouteThreads ? 32 * num_tokens : 0;
   if (static_cast<int>(threadIdx.x) >= first_helper) {
     write_pair_offsets<kMaxExperts / kMinRouteThreads>(offsets, s.chosen, num_pairs, num_experts,
                                                        threadIdx.x - first_helper, blockDim.x - first_helper);
