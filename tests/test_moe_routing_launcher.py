@@ -194,13 +194,20 @@ def route_router(operands: dict) -> None:
     (128, 8, (16, 256, 1)),  # K 64 bf16: 8 experts a block, a warp each
     (60, 16, (8, 256, 1)),  # the last block's 4 slots past E load row E - 1 and store nothing
     (8, 1, (1, 256, 1)),  # K 8 bf16: one block holds every expert
+    # Past one wave of 16 x 128 warps a warp plays two of the rows' warps (4 chunks a thread):
+    (512, 512, (128, 512, 4)),  # Qwen3-Next: E 512, K 4096 bf16, not 512 blocks of 8 warps
+    (1024, 512, (256, 512, 4)),
+    (301, 512, (76, 512, 4)),  # the last block's 12 slots past E
+    (256, 1026, (128, 512, 8)),  # K 8208 bf16: 17 warps of 2 chunks cap at 16, folded to 8
 ])
 def test_router_grid_keeps_every_load_of_a_thread_in_one_pass(num_experts, num_chunks, expected):
     blocks, threads, warps_per_expert = moe_router.router_grid(num_experts, num_chunks)
     assert (blocks, threads, warps_per_expert) == expected
     experts_per_block = threads // (32 * warps_per_expert)
     assert (blocks - 1) * experts_per_block < num_experts <= blocks * experts_per_block
-    assert threads <= 512 and (num_chunks <= 32 * warps_per_expert * 2 or warps_per_expert == 16)
+    # A folded grid's blocks are 16 warps of rows with at most 8 each; its warps play two.
+    order_warps = warps_per_expert * (2 if threads == 512 and warps_per_expert <= 8 else 1)
+    assert threads <= 512 and (num_chunks <= 32 * order_warps * 2 or order_warps == 16)
 
 
 @pytest.mark.parametrize("dtype,num_tokens,top_k,width,c_type,expected_stride", [
