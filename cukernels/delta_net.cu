@@ -29,20 +29,17 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
   if (c0 >= channels || (tile > 0 && t0 >= length)) return;
   const bool cached = seg.seq_lens[b] > length;
   S* own = conv_state + (static_cast<long long>(seg.state_slots[b]) * channels + c0) * kWindow;
-  float w[kVec][kWidth], initial[kVec][kWindow];
+  float w[kVec][kWidth];
 #pragma unroll
   for (int v = 0; v < kVec; ++v) {
 #pragma unroll
     for (int j = 0; j < kWidth; ++j) w[v][j] = to_float(weight[(c0 + v) * kWidth + j]);
-#pragma unroll
-    for (int j = 0; j < kWindow; ++j) initial[v][j] = tile == 0 && cached ? to_float(own[v * kWindow + j]) : 0.f;
   }
-  // Channel c0 + v's input at new-token offset t >= -kWindow (below 0: the cached window).
+  // Channel c0 + v's input at new-token offset t >= -kWindow (below 0: the cached window, read
+  // from the state where needed rather than held in registers across the token loop).
   auto input = [&](int t, int v) {
-    float value = 0.f;
-#pragma unroll
-    for (int j = 0; j < kWindow; ++j) value = t == j - kWindow ? initial[v][j] : value;
-    return t >= 0 ? to_float(x[(start + t) * ld_x + c0 + v]) : value;
+    if (t >= 0) return to_float(x[(start + t) * ld_x + c0 + v]);
+    return tile == 0 && cached ? to_float(own[v * kWindow + t + kWindow]) : 0.f;
   };
   float window[kVec][kWindow];
 #pragma unroll
@@ -52,13 +49,14 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
   }
   const int end = min(length, t0 + kConvTile);
   // kAhead tokens' loads are issued before any of their math: the SiLU's division has a slow-path
-  // branch, across which the compiler does not hoist the next token's load.
+  // branch, across which the compiler does not hoist the next token's load. They stay packed until
+  // used, so that the registers leave room for 3 blocks an SM (24 warps, not 16: more loads in flight).
   constexpr int kAhead = 8;
   for (int base = t0; base < end; base += kAhead) {
-    float in[kAhead][kVec];
+    Pack<T, kVec> in[kAhead];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
-      if (base + u < end) load_floats<kVec>(x + (start + base + u) * ld_x + c0, in[u]);
+      if (base + u < end) in[u] = *reinterpret_cast<const Pack<T, kVec>*>(x + (start + base + u) * ld_x + c0);
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
@@ -66,13 +64,14 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
       float result[kVec];
 #pragma unroll
       for (int v = 0; v < kVec; ++v) {
-        float acc = w[v][kWindow] * in[u][v];
+        const float value = to_float(in[u].v[v]);
+        float acc = w[v][kWindow] * value;
 #pragma unroll
         for (int j = 0; j < kWindow; ++j) acc += w[v][j] * window[v][j];
         result[v] = silu(acc);
 #pragma unroll
         for (int j = 0; j + 1 < kWindow; ++j) window[v][j] = window[v][j + 1];
-        window[v][kWindow - 1] = in[u][v];
+        window[v][kWindow - 1] = value;
       }
       store_floats<kVec>(out + static_cast<long long>(start + base + u) * channels + c0, result);
     }
@@ -120,24 +119,27 @@ __global__ void delta_net_gates_kernel(float* __restrict__ g, float* __restrict_
 // out [T, N] = rmsnorm(x) * weight * silu(z) over each group of D = dim columns, with
 // transformers' roundings in T: the normed x, then its product with weight, then the output.
 // x: [T, N] contiguous; z: [T, N] at row stride ld_z; weight: [D].
-// Launch: one warp per (token, group): blockDim 256, grid ceil(T * N / D / 8). A lane takes kVec
-// consecutive columns an access: kVec 4 needs D and ld_z multiples of 4 and the pointers so
-// aligned; else kVec 1.
+// Launch: blockDim 256, grid ceil(T * N / D / (8 * 32 / kLanes)): kLanes lanes a (token, group),
+// each taking kVec consecutive columns an access. kVec 1: a warp a group. Else kVec is one 16-byte
+// access (D and ld_z multiples of it and the pointers so aligned) and a half-warp takes a group:
+// Qwen3-Next's 128 columns in one access a lane, x's and z's loads of two groups in flight a warp.
 template <typename T, int kVec>
 __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ z,
                                      long long ld_z, const T* __restrict__ weight, int tokens, int width, int dim,
                                      float eps) {
-  const int lane = threadIdx.x & 31;
-  const long long group = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / 32;
+  constexpr int kLanes = kVec == 1 ? 32 : 16;
+  const int lane = threadIdx.x % kLanes;
+  const long long group = (blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x) / kLanes;
   const int groups_per_row = width / dim;
-  if (group >= static_cast<long long>(tokens) * groups_per_row) return;
-  const long long t = group / groups_per_row;
-  const int col0 = static_cast<int>(group % groups_per_row) * dim;
+  // A half-warp past the last group still joins its warp's shuffles; it loads and stores nothing.
+  const bool valid = group < static_cast<long long>(tokens) * groups_per_row;
+  if (kLanes == 32 && !valid) return;
+  const long long t = valid ? group / groups_per_row : 0;
+  const int col0 = valid ? static_cast<int>(group % groups_per_row) * dim : 0;
   const T* row = x + t * width + col0;
   const T* gate_row = z + t * ld_z + col0;
-  // The lane's first kVec columns (all it has of a group of up to 32 kVec, as Qwen3-Next's 128)
-  // come with their gates and weights before the reduction: one round trip.
-  const int first = kVec * lane;
+  const int first = valid ? kVec * lane : dim;
+  // The lane's first kVec columns come with their gates and weights before the reduction: one round trip.
   float values[kVec] = {}, weights[kVec] = {}, gates[kVec] = {};
   if (first < dim) {
     load_floats<kVec>(row + first, values);
@@ -147,14 +149,16 @@ __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ 
   float sum_sq = 0.f;
 #pragma unroll
   for (int v = 0; v < kVec; ++v) sum_sq += values[v] * values[v];
-  for (int i = first + 32 * kVec; i < dim; i += 32 * kVec) {
+  for (int i = first + kLanes * kVec; i < dim; i += kLanes * kVec) {
     float more[kVec];
     load_floats<kVec>(row + i, more);
 #pragma unroll
     for (int v = 0; v < kVec; ++v) sum_sq += more[v] * more[v];
   }
-  const float inv_rms = 1.f / sqrtf(warp_reduce(sum_sq, SumOp()) / static_cast<float>(dim) + eps);
-  for (int i = first; i < dim; i += 32 * kVec) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) sum_sq += __shfl_xor_sync(kFullMask, sum_sq, offset);
+  const float inv_rms = 1.f / sqrtf(sum_sq / static_cast<float>(dim) + eps);
+  for (int i = first; i < dim; i += kLanes * kVec) {
     if (i > first) {
       load_floats<kVec>(row + i, values);
       load_floats<kVec>(weight + i, weights);

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -142,9 +143,14 @@ def copy_seconds(allocator: DeviceAllocator, stream: Stream, nbytes: int, reps: 
         graph.destroy()
 
 
-def best_seconds(stream: Stream, work, reps: int) -> float:
-    """The fastest of `reps` runs of `work` (after one warm-up), each between two events."""
+def best_seconds(stream: Stream, work, reps: int, warmup_seconds: float = 0.0) -> float:
+    """The fastest of `reps` runs of `work`, each between two events, after warm-up runs: one, or
+    as many as `warmup_seconds` of them take."""
+    began = time.perf_counter()
     work()
+    while time.perf_counter() - began < warmup_seconds:
+        stream.synchronize()
+        work()
     start, end = Event(timing=True), Event(timing=True)
     best = math.inf
     for _ in range(reps):

@@ -155,9 +155,16 @@ def one_sequence_step(ops: CudaOps, tokens: int, cached: int = 0, block_size: in
     return ops.prepare_attention(meta)
 
 
+# The first forwards of the first delta net layer a process builds run slower: on the H200 the
+# first 4 of a fresh process took 2.79 ms, every later one (that layer or fresh ones) 2.64
+# (docs/benchmarks.md, session 12). A row is the layer's steady state, as a serving process runs
+# it, so the timed runs follow a tenth of a second of warm-up.
+_LAYER_WARMUP_SECONDS = 0.1
+
+
 def delta_net_layer_seconds(ops: CudaOps, config: ModelConfig, tokens: int) -> float:
     """The best of 3 forwards of a fresh delta net layer (its own weights and one state slot) on
-    `tokens` tokens of one sequence."""
+    `tokens` tokens of one sequence, after _LAYER_WARMUP_SECONDS of warm-up."""
     from sparkd.models.qwen3_next import GatedDeltaNet
 
     make = RandomDeviceWeights(ops.allocator, ops.stream, ops.dtype, seed=1)
@@ -168,12 +175,13 @@ def delta_net_layer_seconds(ops: CudaOps, config: ModelConfig, tokens: int) -> f
     attn = one_sequence_step(ops, tokens)
     x = make.matrix((tokens, config.hidden_size), 1)
     norm = make.filled(config.hidden_size, 1)
-    return best_seconds(ops.stream, lambda: layer.forward(None, x, None, norm, attn, state), reps=3)
+    return best_seconds(ops.stream, lambda: layer.forward(None, x, None, norm, attn, state), reps=3,
+                        warmup_seconds=_LAYER_WARMUP_SECONDS)
 
 
 def delta_rule_seconds(ops: CudaOps, config: ModelConfig, tokens: int, form: str) -> float:
     """The best of 3 runs of the delta rule alone in `form` on one fresh `tokens`-token sequence
-    (random q, k, v; decay exp(-0.05) and write 0.5 a token)."""
+    (random q, k, v; decay exp(-0.05) and write 0.5 a token), warmed as the layer is."""
     from sparkd.backend.cuda.kernels import delta_net
 
     shape = config.delta_net_shape
@@ -186,7 +194,8 @@ def delta_rule_seconds(ops: CudaOps, config: ModelConfig, tokens: int, form: str
     workspace = ops.allocator.empty((delta_net.chunk_workspace_floats(tokens, shape),), DType.float32)
     attn = one_sequence_step(ops, tokens)
     return best_seconds(ops.stream, lambda: delta_net.gated_delta_rule(out, mixed, g, beta, state, attn, shape,
-                                                                       ops.stream, form, workspace), reps=3)
+                                                                       ops.stream, form, workspace), reps=3,
+                        warmup_seconds=_LAYER_WARMUP_SECONDS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,15 +141,20 @@ def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dim, first", [(24, 100), (128, 4), (6, 100)], ids=["4-wide", "4-wide-128", "1-wide"])
-def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype, dim, first):
+@pytest.mark.parametrize("dim, first", [(24, 104), (128, 8), (256, 8), (6, 100), (128, 4)],
+                         ids=["16-byte", "16-byte-128", "16-byte-two-passes", "1-wide", "offset-4"])
+@pytest.mark.parametrize("rows", [9, 67], ids=["decode-sized", "wide"])
+def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype, dim, first, rows):
+    """z's offset `first` decides the access width of 64 rows or more: 16 bytes where every dtype's
+    z stays so aligned (first a multiple of 8), else one element; fewer rows take one element.
+    67 rows, 201 groups: the last warp of the 16-byte form has a half past the end."""
     rng = np.random.default_rng(2)
-    width = 4 * dim
-    x, x_h = _held(gpu, rng.standard_normal((9, width)), dtype)
-    zz, zz_h = _held(gpu, rng.standard_normal((9, first + width + 4)), dtype)
+    width = 3 * dim
+    x, x_h = _held(gpu, rng.standard_normal((rows, width)), dtype)
+    zz, zz_h = _held(gpu, rng.standard_normal((rows, first + width + 8)), dtype)
     z = zz.column_slice(first, width)
     weight, weight_h = _held(gpu, 1 + 0.1 * rng.standard_normal(dim), dtype)
-    out = gpu.empty((9, width), dtype)
+    out = gpu.empty((rows, width), dtype)
     delta_net.gated_rmsnorm(out, x, z, weight, 1e-6, gpu.stream)
     expected = gdn.gated_rmsnorm(x_h, zz_h[:, first:first + width], weight_h, 1e-6)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]

@@ -17,7 +17,7 @@ from ..attention_metadata import CudaAttentionMetadata
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream
 from ..tensor import DeviceTensor
-from . import ELEMENT_TYPES, i32, require, require_contiguous, require_dtype, row_stride, vector_width
+from . import ELEMENT_TYPES, i32, require, require_contiguous, require_dtype, row_stride, vector_width, vector_widths
 
 _SOURCE = "delta_net.cu"
 _RULE_SOURCE = "delta_rule.cu"  # the token-by-token form
@@ -26,7 +26,10 @@ CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
 _CONV_TILE = 64  # kConvTile: tokens a conv thread walks
 MAX_DK = (32, 64, 128)  # kMaxDk instantiations: kMaxDk / kDeltaRows threads hold a column of dk state values
 _THREADS = 256
-_VEC = 4  # kVec of the conv and the gated norm where the shapes allow (`vector_width`)
+# The conv's blocks are smaller: its ~94 registers a thread (8 tokens' loads in flight) fit 5 blocks
+# of 128 an SM (20 warps) where 256-thread blocks fit 2 (16 warps).
+_CONV_THREADS = 128
+_VEC = 4  # kVec of the conv where the shapes allow (`vector_width`); the gated norm's is 16 bytes' worth
 _DELTA_THREADS, _DELTA_ROWS = 128, 16  # kDeltaThreads, kDeltaRows
 
 
@@ -40,7 +43,7 @@ def _name(kernel: str, *params) -> str:
 STATE_TYPES = ELEMENT_TYPES
 SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, s, w, v)) for t in ELEMENT_TYPES
           for s in STATE_TYPES for w in CONV_WIDTHS for v in (1, _VEC)]
-         + [KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", t, v)) for t in ELEMENT_TYPES for v in (1, _VEC)]
+         + [KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", t, v)) for t in ELEMENT_TYPES for v in vector_widths(t)]
          + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES for k in ("delta_net_gates_kernel", "mul_sigmoid_kernel")]
          + [KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", t, s, d)) for t in ELEMENT_TYPES
             for s in STATE_TYPES for d in MAX_DK]
@@ -118,12 +121,12 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     if tokens == 0:
         return
     # A step of short queries (decode) has one tile a sequence: a thread per channel keeps 4x the
-    # blocks (Qwen3-Next at batch 1: 32, not 8), which its few bytes need more than wide loads.
+    # blocks (Qwen3-Next at batch 1: 64, not 16), which its few bytes need more than wide loads.
     vec = (vector_width(x.dtype, (x, out), (channels, row_stride(x)), elements=_VEC)
            if attn.max_query_len >= _CONV_TILE else 1)
-    grid = (-(-channels // (vec * _THREADS)), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
+    grid = (-(-channels // (vec * _CONV_THREADS)), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
     get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width, vec))).launch(
-        grid, _THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
+        grid, _CONV_THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
         stream=stream)
 
 
@@ -213,10 +216,12 @@ def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: D
     require(out.shape == x.shape, f"out must be {x.shape}, got {out.shape}")
     if tokens == 0:
         return
-    warps_per_block = _THREADS // 32
-    vec = vector_width(x.dtype, (x, z, out, weight), (dim, row_stride(z)), elements=_VEC)
+    # Decode-sized steps keep a warp a group: twice the blocks (Qwen3-Next at batch 1: 4, not 2;
+    # measured 1.7 against 2.1 us), which their few bytes need more than wide loads.
+    vec = vector_width(x.dtype, (x, z, out, weight), (dim, row_stride(z))) if tokens >= _CONV_TILE else 1
+    groups_per_block = _THREADS // (32 if vec == 1 else 16)  # kLanes lanes a group
     get_kernel(KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", x.dtype, vec))).launch(
-        -(-tokens * (width // dim) // warps_per_block), _THREADS,
+        -(-tokens * (width // dim) // groups_per_block), _THREADS,
         [out, x, z, np.int64(row_stride(z)), weight, i32(tokens), i32(width), i32(dim), np.float32(eps)],
         stream=stream)
 
