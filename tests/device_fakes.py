@@ -16,3 +16,9 @@ class Sm120Device:
     """What `current_device()` says of a Blackwell GPU: the arch and SM count a launcher reads."""
 
     arch, sm_count = "sm_120", 188
+
+
+class H200Device:
+    """What `current_device()` says of an H200: the numbers the decode attention plan reads."""
+
+    arch, sm_count, max_shared_per_block_optin = "sm_90", 132, 232448
