@@ -15,13 +15,14 @@ from cuda.bindings import driver
 
 from ..base import DeltaNetShape, column_ranges
 from ..dtypes import DType
+from ..linear_attention import LinearAttention
 from .attention_metadata import CudaAttentionMetadata
 from .driver import call
 from .kernels import delta_net
 from .tensor import DeviceTensor
 
 
-class DeltaNetOps:
+class DeltaNetOps(LinearAttention):
     """Mixed into CudaOps: needs self.allocator, self.stream and self.zeros."""
 
     def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
