@@ -84,7 +84,8 @@ def launch_fused(shape: DeltaNetShape, attn: CudaAttentionMetadata, **changed) -
 @pytest.mark.parametrize("shape, num_seqs, query_len, expected", [
     # Qwen3-Next: a head's 128 columns in 8 blocks of 16, one cluster; 256 blocks at batch 1.
     (QWEN3_NEXT, 1, 1, ("<__nv_bfloat16, float, 128>", (32, 1, 8), 128, (1, 1, 8))),
-    (QWEN3_NEXT, 5, 1, ("<__nv_bfloat16, float, 128>", (32, 5, 8), 128, (1, 1, 8))),
+    (QWEN3_NEXT, delta_net_decode.FUSED_MAX_SEQS, 1,
+     ("<__nv_bfloat16, float, 128>", (32, delta_net_decode.FUSED_MAX_SEQS, 8), 128, (1, 1, 8))),
     (DeltaNetShape(2, 96, 4, 40), 3, 1, ("<__nv_bfloat16, float, 128>", (4, 3, 3), 128, (1, 1, 3))),  # 16 + 16 + 8
     (DeltaNetShape(2, 64, 4, 64), 2, 1, ("<__nv_bfloat16, float, 64>", (4, 2, 2), 128, (1, 1, 2))),  # 32 columns a block
     (DeltaNetShape(2, 32, 4, 48), 2, 1, ("<__nv_bfloat16, float, 32>", (4, 2, 1), 96, (1, 1, 1))),  # 48 in one block
@@ -112,6 +113,12 @@ def test_the_steps_the_token_by_token_rule_takes_are_one_clustered_launch(launch
 def test_other_steps_take_the_three_launches(launches, shape, query_len, norm_dim, kernels):
     run_op(shape, step(2, query_len), norm_weight=fake_tensor((norm_dim,)))
     assert [name.split("<")[0] for name, *_ in launches] == kernels
+
+
+def test_decode_batches_past_the_fused_limit_take_the_three_launches(launches):
+    run_op(QWEN3_NEXT, step(delta_net_decode.FUSED_MAX_SEQS + 1, 1))
+    assert [name.split("<")[0] for name, *_ in launches] == ["delta_net_gates_kernel", "gated_delta_rule_kernel",
+                                                             "gated_rmsnorm_kernel"]
 
 
 def test_heads_neither_path_takes_are_refused_as_before(launches):

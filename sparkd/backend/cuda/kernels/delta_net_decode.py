@@ -23,6 +23,13 @@ from .delta_net import (MAX_DK, STATE_TYPES, kernel_name, pick_form, recurrent_b
 _SOURCE = "delta_rule_decode.cu"
 _KERNEL = "gated_delta_net_decode_kernel"
 MAX_CLUSTER = 8  # the portable cluster size: the most blocks a head's columns may take
+# The most sequences a step may have for the fused launch. Measured on the H200 (Qwen3-Next-80B
+# shape, docs/benchmarks.md session 12): at batch 1 the fused tail took 7.1 us a layer against
+# 9.1 for the three launches (forward +2.6%), but at batch 64 the forward lost 3.7%: 16384 blocks
+# in clusters of 8, a cluster barrier a token, against three launches whose cost that grid
+# amortises. Batches 2-4 (unmeasured) keep the grid near one wave (Qwen3-Next: 256 blocks a
+# sequence, ~7 of 128 threads an SM by registers).
+FUSED_MAX_SEQS = 4
 SPECS = [KernelSpec(_SOURCE, kernel_name(_KERNEL, t, s, d)) for t in ELEMENT_TYPES for s in STATE_TYPES
          for d in MAX_DK]
 
@@ -35,10 +42,12 @@ def fused_fits(shape: DeltaNetShape, norm_dim: int) -> bool:
 
 
 def pick_fused(attn: CudaAttentionMetadata, shape: DeltaNetShape, norm_dim: int) -> bool:
-    """Whether `Ops.gated_delta_net` runs the fused kernel at this step: at the steps the
-    token-by-token rule takes (`pick_form`: decode, or heads the chunked form does not take) where
-    it `fused_fits`; prefill keeps the chunked rule between the gates' and the norm's launches."""
-    return pick_form(attn, shape) == "recurrent" and fused_fits(shape, norm_dim)
+    """Whether `Ops.gated_delta_net` runs the fused kernel at this step: at the steps of at most
+    FUSED_MAX_SEQS sequences the token-by-token rule takes (`pick_form`: decode, or heads the
+    chunked form does not take) where it `fused_fits`; prefill keeps the chunked rule between the
+    gates' and the norm's launches, and larger decode batches the three launches."""
+    return (attn.num_seqs <= FUSED_MAX_SEQS and pick_form(attn, shape) == "recurrent"
+            and fused_fits(shape, norm_dim))
 
 
 def gated_delta_net_decode(out: DeviceTensor, mixed_qkv: DeviceTensor, a: DeviceTensor, b: DeviceTensor,
