@@ -1,6 +1,6 @@
 """Device tensors for host-side launcher tests: a pointer that is never dereferenced, so
-the checks a launcher makes before it loads a kernel run with no GPU; and a device that is
-not a Hopper, for the launchers of sm_90-only kernels."""
+the checks a launcher makes before it loads a kernel run with no GPU; an allocator of such
+tensors; and a device that is not a Hopper, for the launchers of sm_90-only kernels."""
 
 from __future__ import annotations
 
@@ -16,3 +16,17 @@ class Sm120Device:
     """What `current_device()` says of a Blackwell GPU: the arch and SM count a launcher reads."""
 
     arch, sm_count = "sm_120", 188
+
+
+class FakeAllocator:
+    """Hands out consecutive addresses, as DeviceAllocator.empty does real memory."""
+
+    def __init__(self):
+        self.next_ptr = 0x100000
+        self.allocations = []
+
+    def empty(self, shape, dtype) -> DeviceTensor:
+        tensor = fake_tensor(shape, dtype.name, ptr=self.next_ptr)
+        self.next_ptr += 256 * (-(-tensor.nbytes // 256))
+        self.allocations.append(tensor)
+        return tensor
