@@ -99,8 +99,8 @@ __global__ void causal_conv1d_silu_kernel(T* __restrict__ out, const T* __restri
   }
 }
 
-// g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] at row stride ld,
-// a_log, dt_bias [Hv] -> g, beta [T, Hv] float. softplus as torch's (linear above 20).
+// g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b) (decay_gate, write_gate): a, b [T, Hv]
+// at row stride ld, a_log, dt_bias [Hv] -> g, beta [T, Hv] float.
 // Launch: a 1-D grid over the T * Hv elements.
 template <typename T>
 __global__ void delta_net_gates_kernel(float* __restrict__ g, float* __restrict__ beta, const T* __restrict__ a,
@@ -110,10 +110,8 @@ __global__ void delta_net_gates_kernel(float* __restrict__ g, float* __restrict_
   if (i >= static_cast<long long>(tokens) * heads) return;
   const long long t = i / heads;
   const int h = static_cast<int>(i % heads);
-  const float shifted = to_float(a[t * ld + h]) + to_float(dt_bias[h]);
-  const float softplus = shifted > 20.f ? shifted : log1pf(expf(shifted));
-  g[i] = -expf(to_float(a_log[h])) * softplus;
-  beta[i] = 1.f / (1.f + expf(-to_float(b[t * ld + h])));
+  g[i] = decay_gate(to_float(a[t * ld + h]), to_float(dt_bias[h]), to_float(a_log[h]));
+  beta[i] = write_gate(to_float(b[t * ld + h]));
 }
 
 // out [T, N] = rmsnorm(x) * weight * silu(z) over each group of D = dim columns, with
@@ -157,7 +155,7 @@ __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ 
   }
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) sum_sq += __shfl_xor_sync(kFullMask, sum_sq, offset);
-  const float inv_rms = 1.f / sqrtf(sum_sq / static_cast<float>(dim) + eps);
+  const float inv_scale = inv_rms(sum_sq, dim, eps);
   for (int i = first; i < dim; i += kLanes * kVec) {
     if (i > first) {
       load_floats<kVec>(row + i, values);
@@ -166,11 +164,7 @@ __global__ void gated_rmsnorm_kernel(T* __restrict__ out, const T* __restrict__ 
     }
     float result[kVec];
 #pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      const float normed = to_float(from_float<T>(values[v] * inv_rms));
-      const float weighted = to_float(from_float<T>(weights[v] * normed));
-      result[v] = weighted * silu(gates[v]);
-    }
+    for (int v = 0; v < kVec; ++v) result[v] = gated_norm<T>(values[v], inv_scale, weights[v], gates[v]);
     store_floats<kVec>(out + t * width + col0 + i, result);
   }
 }

@@ -1,6 +1,6 @@
-// What the gated delta net's kernels share (delta_net.cu: conv, gates, gated norm; delta_rule.cu:
-// the delta rule). The numpy twin is sparkd/backend/cpu/gdn.py, whose docstring states the
-// recurrence.
+// What the gated delta net's kernels share (delta_net.cu: conv, gates, gated norm; delta_rule.cu
+// and delta_rule_chunked.cu: the delta rule; delta_rule_decode.cu: gates, rule and norm in one).
+// The numpy twin is sparkd/backend/cpu/gdn.py, whose docstring states the recurrence.
 //
 // Every kernel walks the step's sequences as the varlen attention does (Segments): sequence b
 // owns rows [query_start[b], query_start[b + 1]) of T, has seq_lens[b] - its query length cached
@@ -25,6 +25,34 @@ struct Segments {
 };
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// ---- the gates and the gated RMSNorm, element by element (delta_net.cu's kernels and the
+// fused decode tail, delta_rule_decode.cu, compute them alike) ----
+
+// A token's decay gate g = -exp(a_log) * softplus(a + dt_bias), softplus as torch's (linear above 20).
+__device__ __forceinline__ float decay_gate(float a, float dt_bias, float a_log) {
+  const float shifted = a + dt_bias;
+  const float softplus = shifted > 20.f ? shifted : log1pf(expf(shifted));
+  return -expf(a_log) * softplus;
+}
+
+// A token's write strength beta = sigmoid(b).
+__device__ __forceinline__ float write_gate(float b) { return 1.f / (1.f + expf(-b)); }
+
+// 1 / rms of a group of `dim` values whose squares sum to sum_sq.
+__device__ __forceinline__ float inv_rms(float sum_sq, int dim, float eps) {
+  return 1.f / sqrtf(sum_sq / static_cast<float>(dim) + eps);
+}
+
+// One output of the gated RMSNorm, before its rounding to T: value (as T holds it) normed by
+// inv_scale, times weight, times silu(gate), with transformers' roundings in T of the normed
+// value and of its product with the weight.
+template <typename T>
+__device__ __forceinline__ float gated_norm(float value, float inv_scale, float weight, float gate) {
+  const float normed = to_float(from_float<T>(value * inv_scale));
+  const float weighted = to_float(from_float<T>(weight * normed));
+  return weighted * silu(gate);
+}
 
 // A thread's share of one value head's recurrent state S [dk, dv]: rows [row0, row0 + kRows) of
 // column j, in registers. valid is false for the threads past dv (they join the shuffles only).

@@ -1,23 +1,15 @@
 // The gated delta rule over each sequence of a step token by token (decode), on the CUDA cores;
-// the chunked form for prefill is delta_rule_chunked.cu. Shared parts and the sequence layout:
-// delta_net_common.cuh.
-#include "delta_net_common.cuh"
+// the chunked form for prefill is delta_rule_chunked.cu, the decode tail with the gates and the
+// gated norm fused in delta_rule_decode.cu. The token loop: delta_rule_recurrent.cuh; shared
+// parts and the sequence layout: delta_net_common.cuh.
+#include "delta_rule_recurrent.cuh"
 
 using namespace sparkd;
 
 // o [T, Hv dv] = the gated delta rule over each sequence. mixed_qkv: [T, 2 Hk dk + Hv dv] =
 // [q | k | v] at row stride ld_qkv; g, beta [T, Hv] float; state [slots, Hv, dk, dv] in S (float,
 // bf16 or fp16; computed in float, rounded to S where stored).
-// q and k are L2-normalised (eps 1e-6 inside the root, as flash-linear-attention), q scaled by
-// dk^-0.5; value head h reads key head h / (Hv / Hk).
-// Launch: grid (Hv, B, ceil(dv / columns)), blockDim.x = kSplit * columns <= kDeltaThreads, columns
-// a multiple of 32 / kSplit: kSplit neighbouring threads own one column of the head's state,
-// S[:, j], in registers, kMaxDk / kSplit rows each (dk <= kMaxDk), and meet by shuffles.
-// 16 rows a thread: a batch-1 decode step is one token, so its time is the state's one round
-// trip, and short columns spread that over more blocks (Qwen3-Next's 32 heads of 128 x 128:
-// 256 blocks, where 64 rows a thread gave 64 blocks and 8.3 us).
-constexpr int kDeltaThreads = 128, kDeltaRows = 16;
-
+// Launch: recurrent_delta_rule's (delta_rule_recurrent.cuh).
 template <typename T, typename S, int kMaxDk>
 __global__ void __launch_bounds__(kDeltaThreads)
     gated_delta_rule_kernel(T* __restrict__ out, const T* __restrict__ mixed_qkv, long long ld_qkv,
@@ -25,68 +17,12 @@ __global__ void __launch_bounds__(kDeltaThreads)
                             const int* query_start, const int* seq_lens, const int* state_slots,
                             const int* snapshot_start, const int* snapshot_offsets, const int* snapshot_slots,
                             int num_k_heads, int num_v_heads, int dk, int dv) {
-  constexpr int kRows = kMaxDk < kDeltaRows ? kMaxDk : kDeltaRows;
-  constexpr int kSplit = kMaxDk / kRows;
-  __shared__ float q_s[kMaxDk], k_s[kMaxDk], inv_norms[2];
   const Segments seg{query_start, seq_lens, state_slots, snapshot_start, snapshot_offsets, snapshot_slots};
-  const int h = blockIdx.x, b = blockIdx.y;
-  StateColumn<kRows> column((threadIdx.x % kSplit) * kRows, blockIdx.z * (blockDim.x / kSplit) + threadIdx.x / kSplit,
-                            dk, dv);
-  float (&s)[kRows] = column.s;
-  const int j = column.j, row0 = column.row0;
-  const HeadSegment<S> head = load_head(column, seg, state, b, h, num_k_heads, num_v_heads);
-  const int kh = head.kh, start = head.start, length = head.length;
-  int next = seg.snapshot_start[b];
-  for (int t = 0; t <= length; ++t) {
-    next = store_snapshots(column, seg, b, t, next, state, num_v_heads, h);
-    if (t == length) break;
-    const long long row = static_cast<long long>(start + t);
-    const T* qkv = mixed_qkv + row * ld_qkv;
-    __syncthreads();  // the previous token's q_s / k_s are read
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-      q_s[i] = to_float(qkv[kh * dk + i]);
-      k_s[i] = to_float(qkv[(num_k_heads + kh) * dk + i]);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {  // warp 0: the two L2 norms
-      float qq = 0.f, kk = 0.f;
-      for (int i = threadIdx.x; i < dk; i += 32) {
-        qq += q_s[i] * q_s[i];
-        kk += k_s[i] * k_s[i];
-      }
-      qq = warp_reduce(qq, SumOp());
-      kk = warp_reduce(kk, SumOp());
-      if (threadIdx.x == 0) {
-        inv_norms[0] = rsqrtf(static_cast<float>(dk)) / sqrtf(qq + 1e-6f);  // q is scaled by dk^-0.5 too
-        inv_norms[1] = 1.f / sqrtf(kk + 1e-6f);
-      }
-    }
-    __syncthreads();
-    const float decay = expf(g[row * num_v_heads + h]), write = beta[row * num_v_heads + h];
-    const float q_scale = inv_norms[0], k_scale = inv_norms[1];
-    float predicted = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (row0 + r < dk) {
-        s[r] *= decay;
-        predicted += k_s[row0 + r] * k_scale * s[r];
-      }
-    }
-#pragma unroll
-    for (int offset = 1; offset < kSplit; offset <<= 1) predicted += __shfl_xor_sync(kFullMask, predicted, offset);
-    const float v = column.valid ? to_float(qkv[2 * num_k_heads * dk + h * dv + j]) : 0.f;
-    const float delta = (v - predicted) * write;
-    float o = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (row0 + r < dk) {
-        s[r] += k_s[row0 + r] * k_scale * delta;
-        o += q_s[row0 + r] * q_scale * s[r];
-      }
-    }
-#pragma unroll
-    for (int offset = 1; offset < kSplit; offset <<= 1) o += __shfl_xor_sync(kFullMask, o, offset);
-    if (column.valid && row0 == 0) out[row * num_v_heads * dv + h * dv + j] = from_float<T>(o);
-  }
-  column.store(head.own);
+  const int h = blockIdx.x;
+  recurrent_delta_rule<T, S, kMaxDk>(
+      mixed_qkv, ld_qkv, state, seg, num_k_heads, num_v_heads, dk, dv,
+      [&](long long row) { return DeltaGates{expf(g[row * num_v_heads + h]), beta[row * num_v_heads + h]}; },
+      [&](long long row, const DeltaColumn<kMaxDk>& column, float o) {
+        if (column.valid && column.row0 == 0) out[row * num_v_heads * dv + h * dv + column.j] = from_float<T>(o);
+      });
 }

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
-from device_fakes import fake_tensor
+from device_fakes import FakeAllocator, fake_tensor
 
 from sparkd.backend.cuda.kernels import moe_router, moe_routing
 from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
@@ -21,20 +21,6 @@ from sparkd.backend.dtypes import DType
 
 def fake(shape, dtype="float32", **where) -> DeviceTensor:
     return fake_tensor(shape, dtype, **where)
-
-
-class FakeAllocator:
-    """Hands out consecutive addresses, as DeviceAllocator.empty does real memory."""
-
-    def __init__(self):
-        self.next_ptr = 0x100000
-        self.allocations = []
-
-    def empty(self, shape, dtype) -> DeviceTensor:
-        tensor = fake(shape, dtype.name, ptr=self.next_ptr)
-        self.next_ptr += 256 * (-(-tensor.nbytes // 256))
-        self.allocations.append(tensor)
-        return tensor
 
 
 def route(logits, weights=None, expert_ids=None):

@@ -21,7 +21,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from .dtypes import DType
+from .linear_attention import DeltaNetShape, LinearAttention  # noqa: F401 (DeltaNetShape: part of the interface)
 from .side_branch import Branching
 
 Tensor = Any
@@ -63,21 +63,6 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
-
-
-@dataclass(frozen=True)
-class DeltaNetShape:
-    """Head counts and sizes of a gated delta net: Hk key heads of dk, Hv value heads of dv (Hv % Hk == 0)."""
-
-    num_k_heads: int
-    k_dim: int
-    num_v_heads: int
-    v_dim: int
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the conv over [q | k | v]."""
-        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
 
 
 @dataclass
@@ -175,9 +160,10 @@ def pre_norm(ops: "Ops", x: Tensor, residual: Tensor | None, weight: Tensor, eps
     return ops.add_rmsnorm(x, residual, weight, eps)
 
 
-class Ops(Branching, Protocol):
+class Ops(Branching, LinearAttention, Protocol):
     """Compute backend. Every op is functional unless its name ends in `_`
-    or it says it writes a cache; `beside` (side_branch.py) runs work concurrently."""
+    or it says it writes a cache; `beside` (side_branch.py) runs work concurrently; the hybrid
+    models' state pool and gated delta net ops are LinearAttention's (linear_attention.py)."""
 
     name: str
     dtype: np.dtype  # activation/weight dtype of this backend instance
@@ -194,14 +180,6 @@ class Ops(Branching, Protocol):
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                           head_dim: int) -> list[tuple[Tensor, Tensor]]:
         """Per layer (k_cache, v_cache), each [NB, Hkv, BS, D] in `self.dtype`, zeroed."""
-
-    def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
-                                        num_v_heads: int, k_dim: int, v_dim: int,
-                                        state_dtype: DType = DType.float32) -> list[tuple[Tensor, Tensor]]:
-        """Per linear-attention layer (conv_state [slots, C, W - 1], recurrent_state [slots, Hv, dk, dv]),
-        zeroed: the state pool of a hybrid model, one slot per running sequence. state_dtype
-        (float32, bfloat16 or float16) is what the state is held in; the ops compute in float32
-        and round to it where they store."""
 
     def check_weights_fit(self, weight_bytes: int, gpu_memory_utilization: float) -> None:
         """ValueError naming both sizes when `weight_bytes` of weights cannot fit in device
@@ -304,45 +282,12 @@ class Ops(Branching, Protocol):
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
 
-    def copy_state_slots_(self, states: list[tuple[Tensor, Tensor]], src: np.ndarray, dst: np.ndarray) -> None:
-        """In every linear-attention layer's (conv_state, recurrent_state), slot dst[i] = slot src[i]
-        (int32 host arrays, dst distinct): a prefix-cache hit's restore, a rollback."""
-
     def split_columns(self, x: Tensor, widths: Sequence[int]) -> list[Tensor]:
         """x [T, sum(widths)] -> views [T, w] of consecutive column ranges (rows strided), no copies."""
 
     def mul_sigmoid(self, x: Tensor, gate: Tensor, add_to: Tensor | None = None) -> Tensor:
         """x * sigmoid(gate) (+ add_to [T, N] in the same pass), gate [T, N] like x [T, N] or [T, 1]
         (one gate per row), in x's dtype. Qwen3-Next's attention output gate and shared expert's gate."""
-
-    def causal_conv1d_silu(self, x: Tensor, weight: Tensor, conv_state: Tensor, attn: Any) -> Tensor:
-        """silu of a depthwise causal conv along each sequence: x [T, C] (rows may be strided),
-        weight [C, W], conv_state [slots, C, W - 1] float32 (the window before each sequence's new
-        tokens, at its `state_slots` entry; zeros for a sequence with no cached tokens) -> [T, C]
-        in x's dtype. Leaves each slot holding the last W - 1 inputs of its sequence."""
-
-    def delta_net_gates(self, a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
-        """A gated delta net's per-token decay and write strength: a, b [T, Hv] (rows may be
-        strided), a_log, dt_bias [Hv] -> (g = -exp(a_log) * softplus(a + dt_bias),
-        beta = sigmoid(b)), both [T, Hv] float32."""
-
-    def gated_delta_rule(self, mixed_qkv: Tensor, g: Tensor, beta: Tensor, state: Tensor, attn: Any,
-                         shape: Any) -> Tensor:
-        """The gated delta rule along each sequence (`backend.cpu.gdn` states it): mixed_qkv
-        [T, 2 Hk dk + Hv dv] = [q | k | v] (the conv's output), g, beta [T, Hv] float32, state
-        [slots, Hv, dk, dv] float32 (read at each sequence's slot unless it has no cached
-        tokens, and left holding its state after its last token; attn's state_snapshots copy it
-        to other slots mid-sequence), shape a `DeltaNetShape` -> o [T, Hv dv] in mixed_qkv's
-        dtype. q and k are L2-normalised inside, q scaled by dk^-0.5."""
-
-    def delta_rule_scratch_bytes(self, tokens: int, shape: Any) -> int:
-        """Scratch memory gated_delta_rule takes for a step of `tokens` rows beyond its output
-        (the activation reserve counts it); the numpy form takes none worth counting."""
-        return 0
-
-    def gated_rmsnorm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """rmsnorm(x) * weight * silu(z) over each group of D = len(weight) columns (a head):
-        x, z [T, N] (z's rows may be strided) -> [T, N] in x's dtype."""
 
     def moe_route(self, router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
         """Pick each token's `top_k` experts: softmax over E in fp32, then top-k.

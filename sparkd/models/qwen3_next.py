@@ -64,9 +64,8 @@ class GatedDeltaNet:
                                                            shape.num_v_heads])
         conv_state, recurrent_state = state
         mixed_qkv = ops.causal_conv1d_silu(mixed_qkv, self.conv_weight, conv_state, attn)  # [T, C]
-        g, beta = ops.delta_net_gates(a, b, self.a_log, self.dt_bias)  # [T, Hv] each
-        core = ops.gated_delta_rule(mixed_qkv, g, beta, recurrent_state, attn, shape)  # [T, Hv dv]
-        core = ops.gated_rmsnorm(core, z, self.norm_weight, self.eps)
+        core = ops.gated_delta_net(mixed_qkv, a, b, self.a_log, self.dt_bias, z, self.norm_weight, self.eps,
+                                   recurrent_state, attn, shape)  # [T, Hv dv]
         return ops.linear(core, self.out_proj), residual
 
 

@@ -17,7 +17,8 @@ import pytest
 from sparkd.backend.base import DeltaNetShape
 from sparkd.backend.cpu import gdn
 from sparkd.backend.cpu.ops import NumpyOps
-from sparkd.backend.dtypes import DType, encode
+
+from .delta_net_cases import device_step, held, pool
 
 delta_net = pytest.importorskip("sparkd.backend.cuda.kernels.delta_net")
 
@@ -30,41 +31,9 @@ NUM_SLOTS = 8
 SHAPES = [DeltaNetShape(2, 16, 4, 24), DeltaNetShape(2, 64, 4, 64), DeltaNetShape(2, 128, 4, 128)]
 
 
-def _segments():
-    """(AttentionMetadata-like arrays, the numpy twin's StateSegments)."""
-    lengths = np.array([n for n, _, _ in SEQUENCES])
-    query_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    seq_lens = np.array([n + c for n, c, _ in SEQUENCES], np.int32)
-    slots = np.array([s for _, _, s in SEQUENCES], np.int32)
-    segments = [gdn.StateSegment(int(query_start[b]), int(query_start[b + 1]), c, s,
-                                 tuple((int(o), int(t)) for q, o, t in SNAPSHOTS if q == b))
-                for b, (_, c, s) in enumerate(SEQUENCES)]
-    return query_start, seq_lens, slots, segments
-
-
 def _attn(gpu):
     """(the step's CudaAttentionMetadata, the numpy twin's segments, T)."""
-    from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
-
-    query_start, seq_lens, slots, segments = _segments()
-    start, offsets, snapshot_slots = delta_net.snapshot_arrays(len(seq_lens), SNAPSHOTS)
-    tokens = int(query_start[-1])
-    unused = gpu.upload(np.zeros((len(seq_lens), 1), np.int32))  # block tables and slots: not read here
-    attn = CudaAttentionMetadata(gpu.upload(query_start), gpu.upload(seq_lens), unused, unused, int(max(
-        n for n, _, _ in SEQUENCES)), int(seq_lens.max()), gpu.upload(slots), gpu.upload(start),
-        gpu.upload(offsets), gpu.upload(snapshot_slots))
-    return attn, segments, tokens
-
-
-def _held(gpu, array, dtype):
-    """(the device copy in dtype, what it holds as float32)."""
-    dev = gpu.upload(array.astype(np.float32), dtype)
-    return dev, gpu.download(dev).astype(np.float32)
-
-
-def _pool(values, dtype):
-    """The numpy twin's state pool holding float32 `values` in dtype (bf16 as its bits)."""
-    return encode(values, DType.parse(dtype))
+    return device_step(gpu, SEQUENCES, SNAPSHOTS)
 
 
 def test_snapshot_arrays_are_by_sequence_then_offset():
@@ -85,13 +54,13 @@ def test_snapshot_arrays_are_by_sequence_then_offset():
 def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, width, state_dtype, channels, first):
     rng = np.random.default_rng(width)
     attn, segments, tokens = _attn(gpu)
-    wide, wide_h = _held(gpu, rng.standard_normal((tokens, channels + 32)), dtype)  # x is a column range of it
+    wide, wide_h = held(gpu, rng.standard_normal((tokens, channels + 32)), dtype)  # x is a column range of it
     x = wide.column_slice(first, channels)
-    weight, weight_h = _held(gpu, rng.standard_normal((channels, width)) / width, dtype)
-    conv_state, window = _held(gpu, rng.standard_normal((NUM_SLOTS, channels, width - 1)), state_dtype)
+    weight, weight_h = held(gpu, rng.standard_normal((channels, width)) / width, dtype)
+    conv_state, window = held(gpu, rng.standard_normal((NUM_SLOTS, channels, width - 1)), state_dtype)
     out = gpu.empty((tokens, channels), dtype)
     delta_net.causal_conv1d_silu(out, x, weight, conv_state, attn, gpu.stream)
-    expected_state = _pool(window, state_dtype)
+    expected_state = pool(window, state_dtype)
     expected = gdn.causal_conv1d_silu(wide_h[:, first:first + channels], weight_h, expected_state, segments)
     assert rel_error(gpu.download(out), expected) <= tolerance[dtype]
     # Copies of held inputs, rounded alike: exact.
@@ -102,10 +71,10 @@ def test_causal_conv1d_silu_matches_numpy(gpu, rel_error, tolerance, dtype, widt
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_delta_net_gates_match_numpy(gpu, rel_error, dtype):
     rng = np.random.default_rng(1)
-    ab, ab_h = _held(gpu, 4 * rng.standard_normal((37, 16)), dtype)
+    ab, ab_h = held(gpu, 4 * rng.standard_normal((37, 16)), dtype)
     a, b = ab.column_slice(0, 8), ab.column_slice(8, 8)
-    a_log, a_log_h = _held(gpu, rng.standard_normal(8), dtype)
-    dt_bias, dt_bias_h = _held(gpu, rng.standard_normal(8), dtype)
+    a_log, a_log_h = held(gpu, rng.standard_normal(8), dtype)
+    dt_bias, dt_bias_h = held(gpu, rng.standard_normal(8), dtype)
     g, beta = gpu.empty((37, 8), "float32"), gpu.empty((37, 8), "float32")
     delta_net.delta_net_gates(g, beta, a, b, a_log, dt_bias, gpu.stream)
     g_ref, beta_ref = NumpyOps().delta_net_gates(ab_h[:, :8], ab_h[:, 8:], a_log_h, dt_bias_h)
@@ -123,16 +92,16 @@ def test_gated_delta_rule_matches_numpy(gpu, rel_error, tolerance, dtype, shape,
     float32 or bf16 (rounded where stored, as the numpy twin rounds it)."""
     rng = np.random.default_rng(shape.k_dim)
     attn, segments, tokens = _attn(gpu)
-    mixed, mixed_h = _held(gpu, rng.standard_normal((tokens, shape.conv_dim)), dtype)
+    mixed, mixed_h = held(gpu, rng.standard_normal((tokens, shape.conv_dim)), dtype)
     g_h = -np.abs(rng.standard_normal((tokens, shape.num_v_heads))).astype(np.float32)
     beta_h = rng.uniform(0, 1, (tokens, shape.num_v_heads)).astype(np.float32)
-    state, initial = _held(gpu, 0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim)),
+    state, initial = held(gpu, 0.3 * rng.standard_normal((NUM_SLOTS, shape.num_v_heads, shape.k_dim, shape.v_dim)),
                            state_dtype)
     out = gpu.empty((tokens, shape.num_v_heads * shape.v_dim), dtype)
     workspace = gpu.empty((delta_net.chunk_workspace_floats(tokens, shape),), "float32")
     delta_net.gated_delta_rule(out, mixed, gpu.upload(g_h), gpu.upload(beta_h), state, attn, shape, gpu.stream,
                                form=form, workspace=workspace)
-    expected_state = _pool(initial, state_dtype)
+    expected_state = pool(initial, state_dtype)
     expected = gdn.gated_delta_rule(mixed_h, g_h, beta_h, expected_state, segments, shape)
     bound = max(tolerance[dtype], tolerance[state_dtype])  # a bf16 state is rounded at every store
     assert rel_error(gpu.download(out), expected) <= bound
@@ -150,10 +119,10 @@ def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype, dim, firs
     67 rows, 201 groups: the last warp of the 16-byte form has a half past the end."""
     rng = np.random.default_rng(2)
     width = 3 * dim
-    x, x_h = _held(gpu, rng.standard_normal((rows, width)), dtype)
-    zz, zz_h = _held(gpu, rng.standard_normal((rows, first + width + 8)), dtype)
+    x, x_h = held(gpu, rng.standard_normal((rows, width)), dtype)
+    zz, zz_h = held(gpu, rng.standard_normal((rows, first + width + 8)), dtype)
     z = zz.column_slice(first, width)
-    weight, weight_h = _held(gpu, 1 + 0.1 * rng.standard_normal(dim), dtype)
+    weight, weight_h = held(gpu, 1 + 0.1 * rng.standard_normal(dim), dtype)
     out = gpu.empty((rows, width), dtype)
     delta_net.gated_rmsnorm(out, x, z, weight, 1e-6, gpu.stream)
     expected = gdn.gated_rmsnorm(x_h, zz_h[:, first:first + width], weight_h, 1e-6)
@@ -166,9 +135,9 @@ def test_gated_rmsnorm_matches_numpy(gpu, rel_error, tolerance, dtype, dim, firs
 @pytest.mark.parametrize("adds", [False, True])
 def test_mul_sigmoid_matches_numpy(gpu, rel_error, tolerance, dtype, gate_cols, adds):
     rng = np.random.default_rng(gate_cols + adds)
-    x, x_h = _held(gpu, rng.standard_normal((7, 64)), dtype)
-    wide, wide_h = _held(gpu, rng.standard_normal((7, 128)), dtype)
-    add_to, add_to_h = _held(gpu, rng.standard_normal((7, 64)), dtype) if adds else (None, None)
+    x, x_h = held(gpu, rng.standard_normal((7, 64)), dtype)
+    wide, wide_h = held(gpu, rng.standard_normal((7, 128)), dtype)
+    add_to, add_to_h = held(gpu, rng.standard_normal((7, 64)), dtype) if adds else (None, None)
     gate = wide.column_slice(64, gate_cols)
     out = gpu.empty((7, 64), dtype)
     delta_net.mul_sigmoid(out, x, gate, gpu.stream, add_to)

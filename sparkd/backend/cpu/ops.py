@@ -14,6 +14,7 @@ import numpy as np
 from ..base import (AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, column_ranges,
                     pre_norm)
 from ..dtypes import DType
+from ..linear_attention import LinearAttention
 from ..side_branch import in_order
 from . import gdn
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
@@ -21,7 +22,7 @@ from .moe import moe_experts, moe_route, silu_and_mul
 from .sampler import sample
 
 
-class NumpyOps:
+class NumpyOps(LinearAttention):  # its gated_delta_net: LinearAttention's composition, the reference
     name = "cpu"
     dtype = np.dtype(np.float32)
 

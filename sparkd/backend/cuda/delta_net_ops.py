@@ -1,5 +1,6 @@
 """The hybrid models' `Ops` on CUDA (gated delta nets): state pool, conv, gates, delta rule,
-gated norm, the sigmoid gate and column views, through `kernels/delta_net.py`.
+gated norm, the sigmoid gate and column views, through `kernels/delta_net.py`; the gates, rule and
+norm in one launch at decode steps through `kernels/delta_net_decode.py`.
 
 `CudaOps` takes these methods from `DeltaNetOps`; they use its allocator and stream. A step's
 state slots and snapshot requests come in its `CudaAttentionMetadata` (`prepare_attention`
@@ -15,13 +16,14 @@ from cuda.bindings import driver
 
 from ..base import DeltaNetShape, column_ranges
 from ..dtypes import DType
+from ..linear_attention import LinearAttention
 from .attention_metadata import CudaAttentionMetadata
 from .driver import call
-from .kernels import delta_net
+from .kernels import delta_net, delta_net_decode
 from .tensor import DeviceTensor
 
 
-class DeltaNetOps:
+class DeltaNetOps(LinearAttention):
     """Mixed into CudaOps: needs self.allocator, self.stream and self.zeros."""
 
     def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
@@ -75,4 +77,16 @@ class DeltaNetOps:
     def gated_rmsnorm(self, x: DeviceTensor, z: DeviceTensor, weight: DeviceTensor, eps: float) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)
         delta_net.gated_rmsnorm(out, x, z, weight, eps, self.stream)
+        return out
+
+    def gated_delta_net(self, mixed_qkv: DeviceTensor, a: DeviceTensor, b: DeviceTensor, a_log: DeviceTensor,
+                        dt_bias: DeviceTensor, z: DeviceTensor, norm_weight: DeviceTensor, eps: float,
+                        state: DeviceTensor, attn: CudaAttentionMetadata, shape: DeltaNetShape) -> DeviceTensor:
+        """One launch where the step suits it (`delta_net_decode.pick_fused`: the token-by-token
+        form's steps); elsewhere (prefill's chunked form, heads too wide for one cluster) the three."""
+        if not delta_net_decode.pick_fused(attn, shape, norm_weight.shape[0]):
+            return super().gated_delta_net(mixed_qkv, a, b, a_log, dt_bias, z, norm_weight, eps, state, attn, shape)
+        out = self.allocator.empty((mixed_qkv.shape[0], shape.num_v_heads * shape.v_dim), mixed_qkv.dtype)
+        delta_net_decode.gated_delta_net_decode(out, mixed_qkv, a, b, a_log, dt_bias, z, norm_weight, eps, state, attn,
+                                                shape, self.stream)
         return out

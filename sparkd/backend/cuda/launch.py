@@ -43,6 +43,25 @@ def dim3(value) -> tuple[int, int, int]:
     return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
 
 
+def cluster_launch_config(grid, block, cluster, shared_mem: int, stream: driver.CUstream) -> driver.CUlaunchConfig:
+    """cuLaunchKernelEx's configuration of a launch in thread-block clusters of dims `cluster`
+    (a launch attribute); a ValueError where a cluster dim does not divide the grid's."""
+    grid, block, cluster = dim3(grid), dim3(block), dim3(cluster)
+    if any(g % c for g, c in zip(grid, cluster)):
+        raise ValueError(f"cluster dims {cluster} must divide the grid's {grid}")
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    config.hStream = stream
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
+
+
 class Kernel:
     """A loaded kernel function; `launch` enqueues it on a stream."""
 
@@ -55,15 +74,23 @@ class Kernel:
                       function)
         self._dynamic_shared_limit = max(0, _DEFAULT_DYNAMIC_SHARED - static)
 
-    def launch(self, grid, block, args: Sequence, shared_mem: int = 0, stream: Stream | None = None) -> None:
-        """stream None is the legacy default stream; the engine always passes its own."""
+    def launch(self, grid, block, args: Sequence, shared_mem: int = 0, stream: Stream | None = None,
+               cluster=None) -> None:
+        """stream None is the legacy default stream; the engine always passes its own. cluster:
+        the dims of the thread-block clusters the grid is launched in (each dim dividing the
+        grid's), for a kernel whose cluster size is set at launch rather than by __cluster_dims__;
+        None launches plain blocks (or the kernel's own clusters)."""
         ensure_context()
         self.allow_dynamic_shared(shared_mem)
         slots, pointers = pack_args(args)  # the driver copies the values during the call
         handle = stream.handle if stream is not None else driver.CUstream(0)
-        check(driver.cuLaunchKernel(self.function, *dim3(grid), *dim3(block), shared_mem, handle,
-                                    pointers.ctypes.data if len(slots) else 0, 0),
-              f"launch of {self.name}")
+        params = pointers.ctypes.data if len(slots) else 0
+        if cluster is None:
+            status = driver.cuLaunchKernel(self.function, *dim3(grid), *dim3(block), shared_mem, handle, params, 0)
+        else:
+            config = cluster_launch_config(grid, block, cluster, shared_mem, handle)
+            status = driver.cuLaunchKernelEx(config, self.function, params, 0)
+        check(status, f"launch of {self.name}")
 
     def allow_dynamic_shared(self, nbytes: int) -> None:
         """Opt the function in to `nbytes` of dynamic shared memory where that needs it: before

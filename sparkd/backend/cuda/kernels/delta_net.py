@@ -4,10 +4,14 @@ each sequence with its state slot, the gated RMSNorm, and x * sigmoid(gate). Eac
 form of the `Ops` method of the same name (`backend/cpu/gdn.py` and `NumpyOps` are the twins).
 
 A step's sequences reach the conv and the delta rule through its CudaAttentionMetadata: the
-varlen offsets, context lengths, state slots and snapshot requests (`snapshot_arrays`).
+varlen offsets, context lengths, state slots and snapshot requests (`snapshot_arrays`). The
+gates, the token-by-token rule and the gated norm in one launch (`Ops.gated_delta_net` at decode)
+are delta_net_decode.py's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +37,7 @@ _VEC = 4  # kVec of the conv where the shapes allow (`vector_width`); the gated 
 _DELTA_THREADS, _DELTA_ROWS = 128, 16  # kDeltaThreads, kDeltaRows
 
 
-def _name(kernel: str, *params) -> str:
+def kernel_name(kernel: str, *params) -> str:
     """kernel<params>: dtypes as their C types."""
     return f"{kernel}<{', '.join(p.c_type if isinstance(p, DType) else str(p) for p in params)}>"
 
@@ -41,14 +45,14 @@ def _name(kernel: str, *params) -> str:
 # The linear-attention state (conv windows and recurrent state) is held in one of these (STATE_TYPES,
 # the kernels' S) and computed in float32 whatever it is.
 STATE_TYPES = ELEMENT_TYPES
-SPECS = ([KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", t, s, w, v)) for t in ELEMENT_TYPES
+SPECS = ([KernelSpec(_SOURCE, kernel_name("causal_conv1d_silu_kernel", t, s, w, v)) for t in ELEMENT_TYPES
           for s in STATE_TYPES for w in CONV_WIDTHS for v in (1, _VEC)]
-         + [KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", t, v)) for t in ELEMENT_TYPES for v in vector_widths(t)]
-         + [KernelSpec(_SOURCE, _name(k, t)) for t in ELEMENT_TYPES for k in ("delta_net_gates_kernel", "mul_sigmoid_kernel")]
-         + [KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", t, s, d)) for t in ELEMENT_TYPES
+         + [KernelSpec(_SOURCE, kernel_name("gated_rmsnorm_kernel", t, v)) for t in ELEMENT_TYPES for v in vector_widths(t)]
+         + [KernelSpec(_SOURCE, kernel_name(k, t)) for t in ELEMENT_TYPES for k in ("delta_net_gates_kernel", "mul_sigmoid_kernel")]
+         + [KernelSpec(_RULE_SOURCE, kernel_name("gated_delta_rule_kernel", t, s, d)) for t in ELEMENT_TYPES
             for s in STATE_TYPES for d in MAX_DK]
-         + [KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_prepare_kernel", t)) for t in ELEMENT_TYPES]
-         + [KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_state_kernel", t, s)) for t in ELEMENT_TYPES
+         + [KernelSpec(_CHUNKED_SOURCE, kernel_name("delta_chunk_prepare_kernel", t)) for t in ELEMENT_TYPES]
+         + [KernelSpec(_CHUNKED_SOURCE, kernel_name("delta_chunk_state_kernel", t, s)) for t in ELEMENT_TYPES
             for s in STATE_TYPES])
 # The chunked form: kChunk tokens a chunk, dk and dv up to kChunkD and multiples of 4; the state
 # kernel's blocks take kStateCols columns of a head's state each. Shared memory as the kernels
@@ -79,6 +83,27 @@ def chunk_workspace_floats(tokens: int, shape: DeltaNetShape) -> int:
     return tokens * shape.num_v_heads * (shape.k_dim + shape.v_dim + _CHUNK + 3)
 
 
+@dataclass(frozen=True)
+class RecurrentBlocks:
+    """The token-by-token kernels' blocks (delta_rule_recurrent.cuh): the kMaxDk instantiation,
+    threads a block, and blocks a value head (grid z), each holding threads / kSplit columns of
+    its state."""
+
+    max_dk: int
+    threads: int
+    per_head: int
+
+
+def recurrent_blocks(shape: DeltaNetShape) -> RecurrentBlocks:
+    """The blocks of the token-by-token form for these head sizes (dk at most MAX_DK[-1])."""
+    dk, dv = shape.k_dim, shape.v_dim
+    max_dk = next((m for m in MAX_DK if m >= dk), None)
+    require(max_dk is not None, f"dk must be at most {MAX_DK[-1]}, got {dk}")
+    split = max_dk // min(max_dk, _DELTA_ROWS)  # kSplit: threads sharing a state column
+    threads = min(_DELTA_THREADS, -(-dv * split // 32) * 32)
+    return RecurrentBlocks(max_dk, threads, -(-dv // (threads // split)))
+
+
 def snapshot_arrays(num_seqs: int, snapshots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """AttentionMetadata.state_snapshots rows (sequence, offset, slot), or None, as the kernels read
     them: (snapshot_start [B + 1], offsets [S], slots [S]) int32, by sequence then offset."""
@@ -88,7 +113,7 @@ def snapshot_arrays(num_seqs: int, snapshots: np.ndarray | None) -> tuple[np.nda
     return start.astype(np.int32), rows[:, 1].astype(np.int32), rows[:, 2].astype(np.int32)
 
 
-def _segment_args(attn: CudaAttentionMetadata) -> list:
+def segment_args(attn: CudaAttentionMetadata) -> list:
     """The six Segments arrays (delta_net_common.cuh) of the conv and delta-rule kernels, from a
     hybrid step's metadata."""
     require(attn.state_slots is not None and attn.snapshot_start is not None,
@@ -97,6 +122,32 @@ def _segment_args(attn: CudaAttentionMetadata) -> list:
     return [attn.query_start_loc, attn.seq_lens, attn.state_slots, attn.snapshot_start,
             attn.snapshot_offsets if attn.snapshot_offsets is not None else empty,
             attn.snapshot_slots if attn.snapshot_slots is not None else empty]
+
+
+def require_gate_inputs(a: DeviceTensor, b: DeviceTensor, a_log: DeviceTensor, dt_bias: DeviceTensor) -> None:
+    """The gates' inputs: a, b [T, Hv] of one dtype and row stride, a_log and dt_bias [Hv] in it."""
+    require(a.shape == b.shape and a.ndim == 2 and row_stride(a) == row_stride(b) and a.dtype is b.dtype,
+            f"a and b must be [T, Hv] of one dtype and row stride, got {a} and {b}")
+    heads = a.shape[1]
+    for name, tensor in (("a_log", a_log), ("dt_bias", dt_bias)):
+        require(tensor.shape == (heads,) and tensor.dtype is a.dtype, f"{name} must be [{heads}] {a.dtype.name}")
+
+
+def require_rule_operands(out: DeviceTensor, mixed_qkv: DeviceTensor, state: DeviceTensor,
+                          shape: DeltaNetShape) -> None:
+    """The delta rule's operands but its gates: mixed_qkv [T, 2 Hk dk + Hv dv] with contiguous
+    columns, out a contiguous [T, Hv dv] in its dtype, state a contiguous [slots, Hv, dk, dv] in
+    one of STATE_TYPES, Hv a multiple of Hk."""
+    hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
+    require(mixed_qkv.ndim == 2 and mixed_qkv.shape[1] == shape.conv_dim and mixed_qkv.strides[1] == 1,
+            f"mixed_qkv must be [T, {shape.conv_dim}] with contiguous columns, got {mixed_qkv}")
+    require(hv % hk == 0, f"value heads ({hv}) must be a multiple of key heads ({hk})")
+    tokens = mixed_qkv.shape[0]
+    require(out.shape == (tokens, hv * dv) and out.dtype is mixed_qkv.dtype and out.is_contiguous,
+            f"out must be a contiguous [{tokens}, {hv * dv}] {mixed_qkv.dtype.name}")
+    require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.is_contiguous,
+            f"state must be a contiguous [slots, {hv}, {dk}, {dv}], got {state}")
+    require_dtype("state", state, *STATE_TYPES)
 
 
 def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,
@@ -117,7 +168,7 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
             f"conv_state must be [slots, {channels}, {width - 1}], got {conv_state.shape}")
     require_dtype("conv_state", conv_state, *STATE_TYPES)
     require_contiguous("conv_state", conv_state)
-    segments = _segment_args(attn)
+    segments = segment_args(attn)
     if tokens == 0:
         return
     # A step of short queries (decode) has one tile a sequence: a thread per channel keeps 4x the
@@ -125,7 +176,7 @@ def causal_conv1d_silu(out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
     vec = (vector_width(x.dtype, (x, out), (channels, row_stride(x)), elements=_VEC)
            if attn.max_query_len >= _CONV_TILE else 1)
     grid = (-(-channels // (vec * _CONV_THREADS)), -(-attn.max_query_len // _CONV_TILE), attn.num_seqs)
-    get_kernel(KernelSpec(_SOURCE, _name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width, vec))).launch(
+    get_kernel(KernelSpec(_SOURCE, kernel_name("causal_conv1d_silu_kernel", x.dtype, conv_state.dtype, width, vec))).launch(
         grid, _CONV_THREADS, [out, x, np.int64(row_stride(x)), weight, conv_state, *segments, i32(channels)],
         stream=stream)
 
@@ -134,17 +185,14 @@ def delta_net_gates(g: DeviceTensor, beta: DeviceTensor, a: DeviceTensor, b: Dev
                     dt_bias: DeviceTensor, stream: Stream) -> None:
     """g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b): a, b [T, Hv] at one row stride
     (columns of one GEMM output), a_log, dt_bias [Hv] -> g, beta [T, Hv] float32, contiguous."""
-    require(a.shape == b.shape and a.ndim == 2 and row_stride(a) == row_stride(b) and a.dtype is b.dtype,
-            f"a and b must be [T, Hv] of one dtype and row stride, got {a} and {b}")
+    require_gate_inputs(a, b, a_log, dt_bias)
     tokens, heads = a.shape
-    for name, tensor in (("a_log", a_log), ("dt_bias", dt_bias)):
-        require(tensor.shape == (heads,) and tensor.dtype is a.dtype, f"{name} must be [{heads}] {a.dtype.name}")
     for name, tensor in (("g", g), ("beta", beta)):
         require(tensor.shape == a.shape and tensor.dtype is DType.float32 and tensor.is_contiguous,
                 f"{name} must be a contiguous {a.shape} float32")
     if tokens == 0:
         return
-    get_kernel(KernelSpec(_SOURCE, _name("delta_net_gates_kernel", a.dtype))).launch(
+    get_kernel(KernelSpec(_SOURCE, kernel_name("delta_net_gates_kernel", a.dtype))).launch(
         -(-tokens * heads // _THREADS), _THREADS,
         [g, beta, a, b, np.int64(row_stride(a)), a_log, dt_bias, i32(tokens), i32(heads)], stream=stream)
 
@@ -159,20 +207,13 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
     shape) float32 elements, contiguous). `pick_form` says which suits a step."""
     hk, dk, hv, dv = shape.num_k_heads, shape.k_dim, shape.num_v_heads, shape.v_dim
     tokens = mixed_qkv.shape[0]
-    require(mixed_qkv.ndim == 2 and mixed_qkv.shape[1] == shape.conv_dim and mixed_qkv.strides[1] == 1,
-            f"mixed_qkv must be [T, {shape.conv_dim}] with contiguous columns, got {mixed_qkv}")
-    require(hv % hk == 0, f"value heads ({hv}) must be a multiple of key heads ({hk})")
-    require(out.shape == (tokens, hv * dv) and out.dtype is mixed_qkv.dtype and out.is_contiguous,
-            f"out must be a contiguous [{tokens}, {hv * dv}] {mixed_qkv.dtype.name}")
+    require_rule_operands(out, mixed_qkv, state, shape)
     for name, tensor in (("g", g), ("beta", beta)):
         require(tensor.shape == (tokens, hv) and tensor.dtype is DType.float32 and tensor.is_contiguous,
                 f"{name} must be a contiguous [{tokens}, {hv}] float32")
-    require(state.ndim == 4 and state.shape[1:] == (hv, dk, dv) and state.is_contiguous,
-            f"state must be a contiguous [slots, {hv}, {dk}, {dv}], got {state}")
-    require_dtype("state", state, *STATE_TYPES)
     require(form in FORMS and (form == "recurrent" or chunked_fits(shape)),
             f"form must be one of {FORMS} (chunked: dk and dv at most {_CHUNK_MAX_D}, multiples of 4), got {form!r}")
-    segments = _segment_args(attn)
+    segments = segment_args(attn)
     if form == "chunked":
         require(row_stride(mixed_qkv) % 4 == 0 and mixed_qkv.ptr % 16 == 0,
                 "the chunked form reads mixed_qkv 4 elements at a time: its row stride a multiple of 4, 16-byte aligned")
@@ -183,21 +224,19 @@ def gated_delta_rule(out: DeviceTensor, mixed_qkv: DeviceTensor, g: DeviceTensor
         return
     common = [mixed_qkv, np.int64(row_stride(mixed_qkv))]
     if form == "chunked":
-        get_kernel(KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_prepare_kernel", mixed_qkv.dtype))).launch(
+        get_kernel(KernelSpec(_CHUNKED_SOURCE, kernel_name("delta_chunk_prepare_kernel", mixed_qkv.dtype))).launch(
             (-(-attn.max_query_len // _CHUNK), hv, attn.num_seqs), _PREPARE_THREADS,
             [workspace, *common, g, beta, attn.query_start_loc, i32(tokens), i32(hk), i32(hv), i32(dk), i32(dv)],
             shared_mem=_PREPARE_SMEM_BYTES, stream=stream)
-        get_kernel(KernelSpec(_CHUNKED_SOURCE, _name("delta_chunk_state_kernel", mixed_qkv.dtype, state.dtype))).launch(
+        get_kernel(KernelSpec(_CHUNKED_SOURCE, kernel_name("delta_chunk_state_kernel", mixed_qkv.dtype, state.dtype))).launch(
             (hv, attn.num_seqs, -(-dv // _STATE_COLS)), _STATE_THREADS,
             [out, *common, workspace, state, *segments, i32(tokens), i32(hk), i32(hv), i32(dk), i32(dv)],
             shared_mem=_STATE_SMEM_BYTES, stream=stream)
         return
-    max_dk = next((m for m in MAX_DK if m >= dk), None)
-    require(max_dk is not None, f"dk must be at most {MAX_DK[-1]}, got {dk}")
-    split = max_dk // min(max_dk, _DELTA_ROWS)  # kSplit: threads sharing a state column
-    threads = min(_DELTA_THREADS, -(-dv * split // 32) * 32)
-    get_kernel(KernelSpec(_RULE_SOURCE, _name("gated_delta_rule_kernel", mixed_qkv.dtype, state.dtype, max_dk))).launch(
-        (hv, attn.num_seqs, -(-dv // (threads // split))), threads,
+    blocks = recurrent_blocks(shape)
+    get_kernel(KernelSpec(_RULE_SOURCE, kernel_name("gated_delta_rule_kernel", mixed_qkv.dtype, state.dtype,
+                                                    blocks.max_dk))).launch(
+        (hv, attn.num_seqs, blocks.per_head), blocks.threads,
         [out, *common, g, beta, state, *segments, i32(hk), i32(hv), i32(dk), i32(dv)], stream=stream)
 
 
@@ -220,7 +259,7 @@ def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: D
     # measured 1.7 against 2.1 us), which their few bytes need more than wide loads.
     vec = vector_width(x.dtype, (x, z, out, weight), (dim, row_stride(z))) if tokens >= _CONV_TILE else 1
     groups_per_block = _THREADS // (32 if vec == 1 else 16)  # kLanes lanes a group
-    get_kernel(KernelSpec(_SOURCE, _name("gated_rmsnorm_kernel", x.dtype, vec))).launch(
+    get_kernel(KernelSpec(_SOURCE, kernel_name("gated_rmsnorm_kernel", x.dtype, vec))).launch(
         -(-tokens * (width // dim) // groups_per_block), _THREADS,
         [out, x, z, np.int64(row_stride(z)), weight, i32(tokens), i32(width), i32(dim), np.float32(eps)],
         stream=stream)
@@ -243,7 +282,7 @@ def mul_sigmoid(out: DeviceTensor, x: DeviceTensor, gate: DeviceTensor, stream: 
     if tokens == 0 or width == 0:
         return
     ld_gate = gate.row_stride if tokens > 1 else gate.shape[1]
-    get_kernel(KernelSpec(_SOURCE, _name("mul_sigmoid_kernel", x.dtype))).launch(
+    get_kernel(KernelSpec(_SOURCE, kernel_name("mul_sigmoid_kernel", x.dtype))).launch(
         -(-tokens * width // _THREADS), _THREADS,
         [out, x, np.int64(row_stride(x)), gate, np.int64(ld_gate), add_to if add_to is not None else np.uint64(0),
          i32(gate.shape[1]), i32(tokens), i32(width)],
