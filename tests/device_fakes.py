@@ -18,6 +18,12 @@ class Sm120Device:
     arch, sm_count = "sm_120", 188
 
 
+class H200Device:
+    """What `current_device()` says of an H200: the numbers the decode attention plan reads."""
+
+    arch, sm_count, max_shared_per_block_optin = "sm_90", 132, 232448
+
+
 class FakeAllocator:
     """Hands out consecutive addresses, as DeviceAllocator.empty does real memory."""
 

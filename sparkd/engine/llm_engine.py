@@ -209,8 +209,11 @@ class LLMEngine:
         the k (token, expert) pairs' hidden and fp32 output rows and the router logits); plus fp32 logits and the
         sampler's workspace for max_num_seqs rows, and the logits every decode graph
         keeps: one [bucket, V] block per batch-size bucket (1, 2, 4, then multiples of
-        8 up to max_num_seqs = n), at most n^2 / 16 + 3n / 2 + 7 rows in all. A hybrid model's
-        delta nets add their in_proj and conv outputs and the delta rule's scratch."""
+        8 up to max_num_seqs = n), at most n^2 / 16 + 3n / 2 + 7 rows in all. The short-context
+        graphs of the buckets whose attention splits (fewer sequences than the device has SMs)
+        keep a block each too, out of _FIXED_RESERVE_BYTES: on an H200 15 rows for Llama-3.1-8B,
+        159 for Qwen3-Next (92 MiB), whatever n. A hybrid model's delta nets add their in_proj
+        and conv outputs and the delta rule's scratch."""
         cfg, args = self.model_config, self.args
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         per_token = 3 * cfg.intermediate_size + qkv_width + 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.hidden_size

@@ -2,8 +2,8 @@
 
 Host preparation is numpy-vectorised over tokens; the only Python loop is over
 the sequences of the step. On CUDA, a decode step (one new token per sequence,
-every sequence sampling) replays the captured graph of its padded batch size
-(`DecodeGraphRunner`); prefill and mixed steps run eagerly.
+every sequence sampling) replays the captured graph of its padded batch size and
+context bound (`DecodeGraphRunner`); prefill and mixed steps run eagerly.
 
 A step is `launch`ed (inputs prepared, forward and draw enqueued) and later
 `collect`ed (waits for the drawn ids on the host). Between the two the host may

@@ -109,7 +109,44 @@ def test_decode_graphs_replay_the_eager_logits(model_pair):
             step = step_inputs(sequences, cached, block_size=BLOCK_SIZE, blocks_per_seq=BLOCKS_PER_SEQ)
             logits = gpu.ops.download(runner.run(forward, step.token_ids, step.positions, step.meta))
             assert_rows_close(logits, step_logits(cpu, cpu_caches, sequences, cached), MODEL_RTOL)
-        assert runner._slots[4].graph is not None
+        assert runner.slots.get(4).graph is not None
+    finally:
+        runner.close()
+
+
+def test_decode_graphs_switch_to_the_long_graph_when_a_context_passes_the_short_bound(model_pair):
+    """Graphs planned for 256 keys (a bound is only a limit: these caches hold 32), and a short
+    graph per bucket for contexts up to 16, where the plan does not split. Greedy decoding from
+    prompts of 9, 4 and 12 tokens replays bucket 4's short graph while every context fits 16 keys,
+    then its long one, and matches the CPU backend's logits at every step."""
+    from oracle import step_inputs
+
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+
+    cpu, gpu = model_pair
+    sequences = prompts([9, 4, 12], cpu.config.vocab_size, seed=4)
+    cpu_caches, gpu_caches = kv_caches(cpu, 3), kv_caches(gpu, 3)
+    next_tokens = step_logits(cpu, cpu_caches, sequences)[np.cumsum([len(s) for s in sequences]) - 1].argmax(-1)
+    step_logits(gpu, gpu_caches, sequences)
+    runner = DecodeGraphRunner(gpu.ops, max_batch_size=4, max_blocks_per_seq=BLOCKS_PER_SEQ, max_seq_len=256,
+                               short_context=16)
+
+    def forward(inputs):
+        hidden = gpu.forward(inputs.token_ids, inputs.positions, inputs.attn, gpu_caches)
+        return gpu.compute_logits(hidden, inputs.logits_indices)
+
+    try:
+        for _ in range(8):  # the longest context after each step: 13, 14, ..., 20
+            cached = [len(s) for s in sequences]
+            sequences = [s + [int(t)] for s, t in zip(sequences, next_tokens)]
+            step = step_inputs(sequences, cached, block_size=BLOCK_SIZE, blocks_per_seq=BLOCKS_PER_SEQ)
+            logits = gpu.ops.download(runner.run(forward, step.token_ids, step.positions, step.meta))
+            expected = step_logits(cpu, cpu_caches, sequences, cached)
+            assert_rows_close(logits, expected, MODEL_RTOL)
+            next_tokens = expected.argmax(-1)
+        short, full = runner.slots.get(4, 16), runner.slots.get(4)
+        assert short is not None, "the 256-key plan splits, the 16-key one cannot: bucket 4 needs a short graph"
+        assert (short.num_replays, full.num_replays) == (4, 4)
     finally:
         runner.close()
 
@@ -161,7 +198,7 @@ def test_one_sequence_decodes_with_the_norms_inside_gemv(model_pair, monkeypatch
             step = step_inputs(sequence, cached, block_size=BLOCK_SIZE, blocks_per_seq=BLOCKS_PER_SEQ)
             logits = ops.download(runner.run(forward, step.token_ids, step.positions, step.meta))
             assert_rows_close(logits, step_logits(cpu, cpu_caches, sequence, cached), MODEL_RTOL)
-        assert runner._slots[1].graph is not None
+        assert runner.slots.get(1).graph is not None
     finally:
         runner.close()
 

@@ -33,6 +33,7 @@ VARIANTS = {
     "MixtralForCausalLM": {"head_dim": 64, "num_local_experts": 8, "num_experts_per_tok": 2},
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+SHORT_BOUND = 32  # keys: the short-context graphs' bound in the tests that set it (see short_graphs)
 BF16_MIN_TOP1_AGREEMENT = 0.99
 
 
@@ -56,15 +57,13 @@ def cuda_llm(path, **engine_args) -> LLM:
 
 
 def captured_buckets(engine) -> list[int]:
-    """Batch sizes whose decode graph an LLMEngine has captured."""
-    graphs = engine.runner.decode_graphs
-    return [size for size, slot in graphs._slots.items() if slot.graph is not None]
+    """Batch sizes whose decode graph an LLMEngine has captured (a size twice where both its graphs are)."""
+    return [slot.size for slot in engine.runner.decode_graphs.slots if slot.graph is not None]
 
 
 def replayed_buckets(engine) -> list[int]:
-    """Batch sizes whose decode graph served a step."""
-    graphs = engine.runner.decode_graphs
-    return [size for size, slot in graphs._slots.items() if slot.num_replays]
+    """Batch sizes whose decode graph served a step (a size twice where both its graphs did)."""
+    return [slot.size for slot in engine.runner.decode_graphs.slots if slot.num_replays]
 
 
 def assert_no_leaks(llm: LLM) -> None:
@@ -86,6 +85,33 @@ def test_fp32_greedy_matches_cpu_with_chunking_prefix_hits_and_graphs(checkpoint
     again = llm.generate([prompts[3]], GREEDY)[0]
     assert again.num_cached_tokens == 32
     assert again.outputs[0].token_ids == expected[3]
+    assert_no_leaks(llm)
+
+
+@pytest.fixture
+def short_graphs(monkeypatch):
+    """CudaOps' decode graphs with short-context graphs for up to SHORT_BOUND keys (the tiny
+    models' max_model_len is 512), so a 16-token prompt passes the bound while it decodes."""
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+    from sparkd.backend.cuda.ops import CudaOps
+
+    def decode_graph_runner(ops, max_batch_size, max_blocks_per_seq, max_seq_len, padding_state_slot=None):
+        return DecodeGraphRunner(ops, max_batch_size, max_blocks_per_seq, max_seq_len,
+                                 padding_state_slot=padding_state_slot, short_context=SHORT_BOUND)
+
+    monkeypatch.setattr(CudaOps, "decode_graph_runner", decode_graph_runner)
+
+
+def test_fp32_greedy_matches_cpu_when_contexts_pass_the_short_graph_bound(checkpoint, short_graphs):
+    """Alone, prompt 1 (16 tokens) decodes through bucket 1's short graph up to a 32-key context and
+    through its long graph after; all five prompts together mix those with prefill chunks."""
+    path, prompts, expected = checkpoint
+    llm = cuda_llm(path)
+    slots = llm.engine.runner.decode_graphs.slots
+    assert slots.get(1, SHORT_BOUND).graph is not None and slots.get(1).graph is not None  # at start-up
+    assert token_ids(llm.generate([prompts[1]], GREEDY)) == [expected[1]]
+    assert (slots.get(1, SHORT_BOUND).num_replays, slots.get(1).num_replays) == (16, 15)  # contexts 17-32, 33-47
+    assert token_ids(llm.generate(prompts, GREEDY)) == expected
     assert_no_leaks(llm)
 
 
@@ -232,8 +258,8 @@ def test_injected_capture_failure_fails_one_request_and_the_next_10_succeed(chec
             failed = await collect(engine.add_request(prompts[1], GREEDY))  # its first decode step captures
             monkeypatch.delenv(FAIL_CAPTURE_ENV)
             later = await asyncio.gather(*(collect(engine.add_request(prompts[i % 5], GREEDY)) for i in range(10)))
-            slots = engine.core.runner.decode_graphs._slots  # before shutdown destroys the graphs
-            eager = [size for size, slot in slots.items() if slot.eager_only]
+            slots = engine.core.runner.decode_graphs.slots  # before shutdown destroys the graphs
+            eager = [slot.size for slot in slots if slot.eager_only]
             return failed, later, eager, captured_buckets(engine.core)
         finally:
             await engine.shutdown()
@@ -245,6 +271,48 @@ def test_injected_capture_failure_fails_one_request_and_the_next_10_succeed(chec
     assert "GraphCaptureError" in final.error
     assert not engine.is_dead and not engine.core.ops.stream.is_capturing()
     assert eager == [1] and captured, (eager, captured)  # the failed batch size alone went eager
+    for i, outputs in enumerate(later):
+        assert outputs[-1].error is None and outputs[-1].outputs[0].token_ids == expected[i % 5]
+
+
+def test_a_failed_short_graph_capture_fails_one_request_and_the_next_10_succeed(checkpoint, short_graphs,
+                                                                                 monkeypatch):
+    """The first request's first decode step captures bucket 1's graphs: the long one, then the short
+    one, broken by an illegal call (a stream synchronize) while capturing. That request fails; the
+    pair (1, SHORT_BOUND) runs eagerly from then on, and the requests after it succeed."""
+    from sparkd.engine.args import EngineArgs
+    from sparkd.engine.async_engine import AsyncEngine
+
+    path, prompts, expected = checkpoint
+    engine = AsyncEngine.from_args(EngineArgs(model=str(path), device="cuda", dtype="float32",
+                                              capture_graphs_at_startup=False, **ENGINE_ARGS))
+    runner = engine.core.runner
+    decode_forward, broken = runner.decode_forward, []
+
+    def forward(inputs):
+        if not broken and inputs.attn.max_seq_len == SHORT_BOUND and runner.ops.stream.is_capturing():
+            broken.append(inputs.token_ids.shape[0])
+            runner.ops.stream.synchronize()  # invalidates the capture, as a real mistake would
+        return decode_forward(inputs)
+
+    monkeypatch.setattr(runner, "decode_forward", forward)
+
+    async def scenario():
+        await engine.start()
+        try:
+            failed = await collect(engine.add_request(prompts[1], GREEDY))
+            later = await asyncio.gather(*(collect(engine.add_request(prompts[i % 5], GREEDY)) for i in range(10)))
+            slots = runner.decode_graphs.slots  # before shutdown destroys the graphs
+            eager = [(slot.size, slot.max_seq_len) for slot in slots if slot.eager_only]
+            return failed, later, eager, slots.get(1).graph is not None
+        finally:
+            await engine.shutdown()
+
+    failed, later, eager, long_captured = asyncio.run(scenario())
+    final = failed[-1]
+    assert final.finished and final.outputs[0].finish_reason == "error" and "GraphCaptureError" in final.error
+    assert broken == [1] and eager == [(1, SHORT_BOUND)] and long_captured, (broken, eager)
+    assert not engine.is_dead and not engine.core.ops.stream.is_capturing()
     for i, outputs in enumerate(later):
         assert outputs[-1].error is None and outputs[-1].outputs[0].token_ids == expected[i % 5]
 
@@ -317,6 +385,6 @@ def test_a_capture_failure_at_startup_leaves_those_sizes_eager(checkpoint, monke
     llm = cuda_llm(path)
     monkeypatch.delenv(FAIL_CAPTURE_ENV)
     graphs = llm.engine.runner.decode_graphs
-    assert all(slot.eager_only for slot in graphs._slots.values()) and not captured_buckets(llm.engine)
+    assert all(slot.eager_only for slot in graphs.slots) and not captured_buckets(llm.engine)
     assert token_ids(llm.generate(prompts, GREEDY)) == expected
     assert_no_leaks(llm)

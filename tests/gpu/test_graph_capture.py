@@ -171,8 +171,8 @@ def test_injected_capture_failure_fails_one_step_and_leaves_the_stream_usable(gp
     try:
         for step in range(10):  # the failed bucket now runs eagerly; the others capture
             run_step(gpu, runner, fake_forward, rng, 1 + step % 4)
-        assert runner._slots[2].eager_only and runner._slots[2].graph is None
-        assert runner._slots[4].graph is not None
+        assert runner.slots.get(2).eager_only and runner.slots.get(2).graph is None
+        assert runner.slots.get(4).graph is not None
     finally:
         runner.close()
 
@@ -287,7 +287,7 @@ def test_an_injected_failure_after_a_fork_fails_one_step_and_leaves_both_streams
     try:
         for step in range(8):  # bucket 2 runs eagerly, its fork too; the others capture theirs
             forked_step(runner, forked_sum, rng, 1 + step % 4, rel_error)
-        assert runner._slots[2].eager_only and runner._slots[4].graph is not None
+        assert runner.slots.get(2).eager_only and runner.slots.get(4).graph is not None
         assert_no_stream_captures(forked_sum.ops)
     finally:
         runner.close()

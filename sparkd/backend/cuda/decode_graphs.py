@@ -1,17 +1,22 @@
-"""Decode steps replayed from CUDA graphs, one graph per padded batch-size bucket.
+"""Decode steps replayed from CUDA graphs, one per padded batch-size bucket and context bound.
 
-A bucket's inputs live in one static device region (`DecodeLayout`). Each step
+Every bucket has a graph whose attention is planned for max_seq_len keys, and where that plan
+would split otherwise at SHORT_CONTEXT keys, one planned for that bound too, which serves the
+steps whose every context fits it (`DecodeSlots`). A bucket's graphs share its inputs, one
+static device region (`DecodeLayout`): they replay one at a time on one stream. Each step
 writes its inputs into a pinned staging slot laid out the same way and copies
 them over in two H2D copies: the per-sequence arrays, padded to the bucket, in
 one; in the other only the step's B x W part of the block table, a pitched copy
 into the first columns of the region's [bucket, max_blocks] table. So a step
 moves B x W block ids, not bucket x max_model_len / block_size (8 MB at 256
 sequences of 128k tokens). The constants (query_start_loc, logits_indices) are
-written once. Capturing a bucket runs the forward once eagerly first (loading
-kernels, planning GEMMs, sizing the rope table), on padding rows. The engine captures
-every bucket at start-up (`capture_all`); a bucket still without a graph captures at
-its first step, which then replays the new graph. If capturing fails, the bucket runs eagerly
-from then on, and a step that was capturing raises GraphCaptureError.
+written once. Capturing a graph runs the forward once eagerly first (loading kernels,
+planning GEMMs, sizing the rope table), on padding rows; a bucket's full-length graph goes
+first, and its warm-up's decode attention launches decide whether it gets a short one. The
+engine captures every bucket's graphs at start-up (`capture_all`); a bucket not captured yet
+captures at its first step, which then replays a new graph. A graph that fails to capture
+leaves its (batch size, context bound) slot eager from then on, and a step that was capturing
+raises GraphCaptureError.
 
 Padding rows are harmless: token 0 at position 0, a negative slot (the KV write
 skips it), a context of 1, logits that nobody samples. Block-table entries a step
@@ -31,8 +36,10 @@ from cuda.bindings import driver
 from ..base import AttentionMetadata
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
+from .decode_slots import SHORT_CONTEXT, DecodeSlots, plans_differ
 from .driver import DeviceLostError, call
 from .graphs import GraphCaptureError, GraphSlot, bucket_for, capture, default_buckets
+from .kernels.attention import recording_decode_launches
 from .memory import MemoryPool
 from .tensor import DeviceTensor
 from .transfer import copy_rows_to_device, copy_to_device, pack_layout
@@ -140,33 +147,39 @@ def stage_decode_inputs(host: np.ndarray, layout: DecodeLayout, token_ids: np.nd
 
 @dataclass
 class _StaticInputs:
-    """A bucket's device region, seen as the graph's inputs."""
+    """A bucket's device region, seen as its graphs' inputs."""
 
     region: DeviceTensor  # uint8 [layout.total]
     layout: DecodeLayout
-    inputs: DecodeInputs
+    views: dict[str, DeviceTensor]  # int32, by DecodeLayout name
     per_step: DeviceTensor  # uint8 view of the region's first block_tables_offset bytes
+
+    def inputs(self, max_seq_len: int) -> DecodeInputs:
+        """The region as the inputs of a graph planned for contexts of up to max_seq_len keys."""
+        return _decode_inputs(self.views, max_seq_len)
 
 
 class DecodeGraphRunner:
     """Runs decode steps through captured graphs.
 
     max_blocks_per_seq and max_seq_len bound every step a graph will serve (from
-    --max-model-len); the attention kernels size their grids from them. A hybrid model's
+    --max-model-len); the attention kernels size their grids from them, a short-context
+    graph's from short_context (see DecodeSlots; tests set it small). A hybrid model's
     steps carry state slots too: padding_state_slot is the one its padding rows use (None:
     a model without linear-attention state)."""
 
     def __init__(self, ops, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int,
-                 buckets: list[int] | None = None, padding_state_slot: int | None = None):
+                 buckets: list[int] | None = None, padding_state_slot: int | None = None,
+                 short_context: int = SHORT_CONTEXT):
         self.ops = ops
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
         self.padding_state_slot = padding_state_slot
-        self.buckets = sorted(buckets or default_buckets(max_batch_size))
+        self.slots = DecodeSlots(buckets or default_buckets(max_batch_size), max_seq_len, short_context)
+        self.buckets = self.slots.buckets
         self.pool = MemoryPool("decode graphs")  # shared: graphs replay one at a time on one stream
-        self._slots = {size: GraphSlot(size) for size in self.buckets}
-        self._inputs: dict[int, _StaticInputs] = {}
-        self._outputs: dict[int, DeviceTensor] = {}
+        self._inputs: dict[int, _StaticInputs] = {}  # by batch size
+        self._outputs: dict[tuple[int, int], DeviceTensor] = {}  # by (batch size, context bound)
 
     def run(self, forward: DecodeForward, token_ids: np.ndarray, positions: np.ndarray,
             meta: AttentionMetadata, fill: Callable[[DeviceTensor], None] | None = None) -> DeviceTensor:
@@ -174,42 +187,59 @@ class DecodeGraphRunner:
 
         fill: writes the ids an earlier step drew on the device into the step's
         device token_ids [>= B] int32, after the upload and before the forward.
-        Raises GraphCaptureError when this step's bucket failed to capture."""
+        Raises GraphCaptureError when a graph of this step's bucket failed to capture now
+        (the step does not run)."""
         if not meta.is_decode_only:
             raise ValueError("DecodeGraphRunner runs decode-only steps; run mixed steps eagerly")
         batch = len(token_ids)
-        slot = self._slots.get(bucket_for(batch, self.buckets))
+        size = bucket_for(batch, self.buckets)
+        if size is not None and self.slots.pending(size):
+            failures = self._capture_bucket(forward, size)
+            if failures:
+                raise failures[0]
+        slot = self.slots.for_step(batch, meta.seq_lens)
         if slot is None or slot.eager_only:
             inputs = self._eager_inputs(token_ids, positions, meta)
             if fill is not None:
                 fill(inputs.token_ids)
             return forward(inputs)
-        static = self._static_inputs(slot.size)
-        if slot.graph is None:
-            # Warm up and capture on padding rows, so the step itself runs exactly once (its
-            # replay below): a hybrid model's recurrent state must not take a token twice.
-            self._upload_step(static, _NO_IDS, _NO_IDS, _NO_SEQUENCES)
-            self._capture(slot, forward, static.inputs)
+        static = self._inputs[slot.size]
         self._upload_step(static, token_ids, positions, meta)
         if fill is not None:
-            fill(static.inputs.token_ids)
+            fill(static.views["token_ids"])
         slot.graph.replay(self.ops.stream)
         slot.num_replays += 1
-        return self._outputs[slot.size].narrow(0, batch)
+        return self._outputs[slot.size, slot.max_seq_len].narrow(0, batch)
 
     def capture_all(self, forward: DecodeForward) -> None:
-        """Capture every bucket not captured yet, each on a batch of padding rows.
-        A bucket that fails to capture is left eager (logged); nothing raises."""
+        """Capture the graphs of every bucket not captured yet, each on a batch of padding rows.
+        A graph that fails to capture leaves its slot eager (logged); nothing raises."""
         for size in self.buckets:
-            slot = self._slots[size]
-            if slot.graph is not None or slot.eager_only:
-                continue
-            static = self._static_inputs(size)
-            self._upload_step(static, _NO_IDS, _NO_IDS, _NO_SEQUENCES)  # padding rows only
-            try:
-                self._capture(slot, forward, static.inputs)
-            except GraphCaptureError:
-                pass  # logged by _capture; the bucket runs eagerly
+            if self.slots.pending(size):
+                self._capture_bucket(forward, size)
+        captured = [slot for slot in self.slots if slot.graph is not None]
+        short = [slot.size for slot in captured if slot.max_seq_len != self.max_seq_len]
+        log.info("captured %d decode graphs: %d planned for contexts up to %d keys, %d (batch sizes %s) for up to "
+                 "%d", len(captured), len(captured) - len(short), self.max_seq_len, len(short), short,
+                 self.slots.short_context or self.max_seq_len)
+
+    def _capture_bucket(self, forward: DecodeForward, size: int) -> list[GraphCaptureError]:
+        """Capture a bucket's graphs on padding rows (so a step that triggers this runs exactly
+        once, in its replay: a hybrid model's recurrent state must not take a token twice). The
+        full-length graph goes first: its warm-up sizes what both capture (the rope table, for
+        max_seq_len positions), so nothing grows under a captured graph; and its decode attention
+        launches tell whether a short-context graph would plan otherwise (else it would be the
+        same graph). Returns the captures' failures, each already logged."""
+        static = self._static_inputs(size)
+        self._upload_step(static, _NO_IDS, _NO_IDS, _NO_SEQUENCES)
+        with recording_decode_launches() as launches:  # the warm-up's and the capture's: the same sizes
+            failures = [self._capture(self.slots.get(size), forward, static)]
+        short = self.slots.short_context
+        if short is not None and plans_differ(launches, self.max_seq_len, short):
+            slot = GraphSlot(size, short)
+            failures.append(self._capture(slot, forward, static))
+            self.slots.add(slot)
+        return [failure for failure in failures if failure is not None]
 
     def _upload_step(self, static: _StaticInputs, token_ids: np.ndarray, positions: np.ndarray,
                      meta: AttentionMetadata) -> None:
@@ -238,7 +268,7 @@ class DecodeGraphRunner:
             views = {name: DeviceTensor(region.ptr + offset, shape, DType.int32, None, region.owner)
                      for name, offset, shape in zip(layout.names, layout.offsets, layout.shapes)}
             per_step = DeviceTensor(region.ptr, (layout.block_tables_offset,), DType.uint8, None, region.owner)
-            self._inputs[size] = _StaticInputs(region, layout, self._views(views, self.max_seq_len), per_step)
+            self._inputs[size] = _StaticInputs(region, layout, views, per_step)
         return self._inputs[size]
 
     def _eager_inputs(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> DecodeInputs:
@@ -249,37 +279,44 @@ class DecodeGraphRunner:
         if self.padding_state_slot is not None:
             arrays |= {"state_slots": meta.state_slots, "snapshot_start": np.zeros(len(token_ids) + 1)}
         uploaded = self.ops.staging.upload([np.asarray(a, np.int32) for a in arrays.values()])
-        return self._views(dict(zip(arrays, uploaded)), meta.max_seq_len)
+        return _decode_inputs(dict(zip(arrays, uploaded)), meta.max_seq_len)
 
-    @staticmethod
-    def _views(tensors: dict[str, DeviceTensor], max_seq_len: int) -> DecodeInputs:
-        """DecodeInputs from int32 tensors by DecodeLayout name."""
-        attn = CudaAttentionMetadata(tensors["query_start_loc"], tensors["seq_lens"], tensors["block_tables"],
-                                     tensors["slot_mapping"], 1, max_seq_len, tensors.get("state_slots"),
-                                     tensors.get("snapshot_start"))
-        return DecodeInputs(tensors["token_ids"], tensors["positions"], attn, tensors["logits_indices"])
-
-    def _capture(self, slot: GraphSlot, forward: DecodeForward, inputs: DecodeInputs) -> None:
+    def _capture(self, slot: GraphSlot, forward: DecodeForward, static: _StaticInputs) -> GraphCaptureError | None:
+        """Warm up and capture a slot's graph on the padding rows in its bucket's region. A failed
+        capture leaves the slot eager (logged) and is returned."""
+        inputs = static.inputs(slot.max_seq_len)
         forward(inputs)  # warm-up: nothing may load, plan or grow while capturing
         try:
             with self.ops.allocator.use_pool(self.pool):
-                slot.graph, self._outputs[slot.size] = capture(self.ops.stream, lambda: forward(inputs))
+                slot.graph, self._outputs[slot.size, slot.max_seq_len] = capture(self.ops.stream,
+                                                                                  lambda: forward(inputs))
         except DeviceLostError:
             raise
         except Exception as err:
             slot.eager_only = True
-            log.warning("capturing the decode graph for batch size %d failed (%s: %s); that size runs eagerly "
-                        "from now on", slot.size, type(err).__name__, err)
-            raise GraphCaptureError(f"decode graph capture failed for batch size {slot.size}: {err}",
-                                    bucket=slot.size) from err
-        log.info("captured the decode graph for batch size %d", slot.size)
+            log.warning("capturing the decode graph for batch size %d, contexts up to %d keys, failed (%s: %s); "
+                        "those steps run eagerly from now on", slot.size, slot.max_seq_len, type(err).__name__, err)
+            error = GraphCaptureError(f"decode graph capture failed for batch size {slot.size}, contexts up to "
+                                      f"{slot.max_seq_len} keys: {err}", bucket=slot.size)
+            error.__cause__ = err
+            return error
+        log.info("captured the decode graph for batch size %d, contexts up to %d keys", slot.size, slot.max_seq_len)
+        return None
 
     def close(self) -> None:
         """Destroy the graphs and free their memory pool."""
-        for slot in self._slots.values():
+        for slot in self.slots:
             if slot.graph is not None:
                 slot.graph.destroy()
                 slot.graph = None
         self._outputs.clear()
         self.ops.stream.synchronize()
         self.ops.allocator.release_cached(self.pool)
+
+
+def _decode_inputs(tensors: dict[str, DeviceTensor], max_seq_len: int) -> DecodeInputs:
+    """DecodeInputs from int32 tensors by DecodeLayout name, attention planned for max_seq_len keys."""
+    attn = CudaAttentionMetadata(tensors["query_start_loc"], tensors["seq_lens"], tensors["block_tables"],
+                                 tensors["slot_mapping"], 1, max_seq_len, tensors.get("state_slots"),
+                                 tensors.get("snapshot_start"))
+    return DecodeInputs(tensors["token_ids"], tensors["positions"], attn, tensors["logits_indices"])

@@ -1,4 +1,4 @@
-"""CUDA graphs: capture with the abort-capture guard, and one graph per decode batch bucket.
+"""CUDA graphs: capture with the abort-capture guard, and the decode batch buckets.
 
 The guard (see GPU-FACTS.md): any exception while a stream captures ends the
 capture (cuStreamEndCapture, which reports CAPTURE_INVALIDATED after an illegal
@@ -110,9 +110,12 @@ def bucket_for(batch_size: int, buckets: list[int]) -> int | None:
 
 @dataclass
 class GraphSlot:
-    """A bucket's state: its graph once captured, or eager_only after a failed capture."""
+    """A decode graph's state: its graph once captured, or eager_only after a failed capture.
+
+    size: the padded batch size; max_seq_len: the context bound its attention is planned for."""
 
     size: int
+    max_seq_len: int
     graph: CudaGraph | None = None
     eager_only: bool = False
     num_replays: int = 0

@@ -361,8 +361,9 @@ class CudaOps(MoeOps, DeltaNetOps):
         """cos | sin [positions, rotary_dim] float32, attention scaling folded in.
 
         Grown (by powers of two) only on the host's say-so, before a step is enqueued.
-        A decode graph is captured after a warm-up run at its longest context, so the
-        table it captured never has to grow."""
+        A bucket's decode graphs are captured after a warm-up run at max_model_len (its
+        short-context graph after that one), so no later step grows the table a graph
+        captured: growing frees the old table under it."""
         key = (rope.rotary_dim, rope.attention_scaling, rope.inv_freq.tobytes())
         table = self._rope_tables.get(key)
         if table is None or table.shape[0] < max_seq_len:

@@ -14,6 +14,9 @@ decode_attention_rope is rope_write_kv and decode_attention in one launch.
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
@@ -126,16 +129,23 @@ def prefill_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor,
         shared_mem=tile.smem_bytes(sizes.head_dim, sizes.dtype), stream=stream)
 
 
-def _plan_for(sizes: AttentionSizes, meta: CudaAttentionMetadata, workspace_numel: int) -> DecodePlan:
+def _plan_for(sizes: AttentionSizes, max_seq_len: int, workspace_numel: int) -> DecodePlan:
     device = current_device()
-    return plan_decode(sizes, meta.max_seq_len, device.sm_count, device.max_shared_per_block_optin, workspace_numel)
+    return plan_decode(sizes, max_seq_len, device.sm_count, device.max_shared_per_block_optin, workspace_numel)
 
 
 def decode_plan(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata,
                 workspace: DeviceTensor | None, fused_rope: bool = False) -> DecodePlan:
     """The plan decode_attention (decode_attention_rope with fused_rope) launches for
     these shapes and this workspace."""
-    return _plan_for(_sizes(q, k_cache, meta, fused_rope), meta, workspace.numel if workspace is not None else 0)
+    return _plan_for(_sizes(q, k_cache, meta, fused_rope), meta.max_seq_len,
+                     workspace.numel if workspace is not None else 0)
+
+
+def planned_decode(sizes: AttentionSizes, max_seq_len: int) -> DecodePlan:
+    """The plan of a decode launch of these sizes whose metadata bounds contexts by max_seq_len,
+    given the workspace decode_workspace_numel asks for (what CudaOps gives every launch)."""
+    return _plan_for(sizes, max_seq_len, MAX_SPLITS * part_numel(sizes))
 
 
 def decode_workspace_numel(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAttentionMetadata,
@@ -143,8 +153,31 @@ def decode_workspace_numel(q: DeviceTensor, k_cache: DeviceTensor, meta: CudaAtt
     """float32 elements of workspace that decode_attention (decode_attention_rope with
     fused_rope) uses for these shapes; 0 when it needs none."""
     sizes = _sizes(q, k_cache, meta, fused_rope)
-    plan = _plan_for(sizes, meta, workspace_numel=MAX_SPLITS * part_numel(sizes))
+    plan = planned_decode(sizes, meta.max_seq_len)
     return 0 if plan.num_parts == 1 else plan.num_parts * part_numel(sizes)
+
+
+_recorded = threading.local()  # .launches: the list recording_decode_launches fills, in this thread
+
+
+@contextmanager
+def recording_decode_launches() -> Iterator[list[AttentionSizes]]:
+    """The sizes of every decode attention launch (decode_attention, decode_attention_rope) this
+    thread makes inside the block: all that a launch's plan depends on besides the context bound
+    (meta.max_seq_len), so a decode graph's warm-up tells whether another bound would plan otherwise."""
+    outer = getattr(_recorded, "launches", None)
+    _recorded.launches = launches = []
+    try:
+        yield launches
+    finally:
+        _recorded.launches = outer
+
+
+def note_decode_launch(sizes: AttentionSizes) -> None:
+    """Record a decode launch's sizes where recording_decode_launches is on in this thread."""
+    launches = getattr(_recorded, "launches", None)
+    if launches is not None:
+        launches.append(sizes)
 
 
 def decode_attention(out: DeviceTensor, q: DeviceTensor, k_cache: DeviceTensor, v_cache: DeviceTensor,
@@ -254,7 +287,8 @@ def _launch_decode(out: DeviceTensor, query_args: list, meta: CudaAttentionMetad
     if workspace is not None:
         _require(workspace.dtype is DType.float32 and workspace.is_contiguous,
                  f"workspace must be contiguous float32, got {workspace}")
-    plan = _plan_for(sizes, meta, workspace.numel if workspace is not None else 0)
+    note_decode_launch(sizes)
+    plan = _plan_for(sizes, meta.max_seq_len, workspace.numel if workspace is not None else 0)
     if plan.num_parts == 1:
         # Every sequence fits one part and is written directly: no workspace or counter is touched.
         o_part = lse_part = np.uint64(0)

@@ -145,7 +145,8 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
     - A batch whose unsplit blocks already give every SM one is not split (nor one with
       more than DECODE_COUNTERS, the kernels' arrival counters). Splitting it
       pays only at long contexts (batch 64: 0.81-0.97 of the copy rate at 4k-32k keys
-      against 0.67-0.69 unsplit), but a decode graph's plan is fixed at max_model_len,
+      against 0.67-0.69 unsplit), but a decode graph's plan is fixed at its context bound
+      (max_model_len; small batches also have a graph for 1024 keys, decode_slots.py),
       and there the splits of short sequences sit empty: batch 64 at 1k keys in a graph
       planned for 8k ran at 0.43 of the roofline against 0.69 unsplit.
     - bf16 / fp16 splits merged on chip by a cluster of DECODE_CLUSTER pay off while a
