@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sparkd.backend.base import SamplerOutput, SamplingTensors  # noqa: E402
+from sparkd.backend.base import SampledTokens, SamplerOutput, SamplingTensors  # noqa: E402
 from sparkd.backend.cuda.decode_graphs import DecodeLayout, stage_decode_inputs  # noqa: E402
 from sparkd.backend.cuda.graphs import bucket_for, default_buckets  # noqa: E402
 from sparkd.backend.cuda.kernels.sampling import host_inputs  # noqa: E402
@@ -88,7 +88,10 @@ class HostDecodeGraphs:
         self.layouts = {size: DecodeLayout.for_bucket(size, max_blocks_per_seq) for size in self.buckets}
         self.slot = np.empty(max(layout.total for layout in self.layouts.values()), np.uint8)
 
-    def run(self, forward, token_ids, positions, meta):
+    def capture_all(self, forward) -> None:
+        pass  # nothing to capture: the stub replays no graph
+
+    def run(self, forward, token_ids, positions, meta, fill=None):
         layout = self.layouts[bucket_for(len(token_ids), self.buckets)]
         stage_decode_inputs(self.slot, layout, token_ids, positions, meta)
         return np.arange(len(token_ids))
@@ -112,19 +115,29 @@ class StubOps:
     def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim):
         return [(None, None)] * num_layers
 
+    def allocate_linear_attention_state(self, num_layers, num_slots, *sizes):
+        return [(None, None)] * num_layers  # the demo model is a hybrid: its delta nets' state
+
     def bind_thread(self) -> None:
         pass
 
-    def decode_graph_runner(self, max_batch_size, max_blocks_per_seq, max_seq_len):
+    def load_kernels(self, progress=None) -> None:
+        pass
+
+    def decode_graph_runner(self, max_batch_size, max_blocks_per_seq, max_seq_len, padding_state_slot=None):
         return HostDecodeGraphs(max_batch_size, max_blocks_per_seq)
 
     def prepare_attention(self, meta):
         return meta
 
-    def sample(self, logits, params: SamplingTensors) -> SamplerOutput:
+    def sample_async(self, logits, params: SamplingTensors) -> SampledTokens:
         self.staging.upload(host_inputs(params))
         rows = (params.seeds % len(self.corpus)).astype(np.int64) + params.steps
-        return SamplerOutput(token_ids=self.corpus[rows % len(self.corpus)])
+        out = SamplerOutput(token_ids=self.corpus[rows % len(self.corpus)])
+        return SampledTokens(out.token_ids.astype(np.int32), lambda: out)
+
+    def copy_drawn_tokens_(self, token_ids, rows, drawn, drawn_rows) -> None:
+        pass  # the stub forward reads no token ids
 
 
 def build_engine(loaded: LoadedModel, batch: int, steps: int, repeats: int, block_size: int = 16) -> LLMEngine:

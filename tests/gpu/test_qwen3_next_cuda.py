@@ -79,7 +79,12 @@ def test_prompts_in_chunks_match_the_cpu_backend(model_pair):
             assert np.abs(actual - expected).max() <= RTOL * np.abs(expected).max()
 
 
-def test_decode_graphs_replay_with_state_slots(model_pair):
+@pytest.mark.parametrize("short_context", [None, 16], ids=["one-graph", "short-then-long"])
+def test_decode_graphs_replay_with_state_slots(model_pair, short_context):
+    """Bucket 4 (one padding row) replays its graph with new inputs on static state slots, and every
+    step's logits match the CPU backend's. With short graphs for contexts up to 16 keys beside the
+    192-key ones, the steps whose contexts fit 16 replay the short graph and the later ones the long
+    graph, on the same state slots."""
     from oracle import step_inputs
 
     from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
@@ -92,59 +97,28 @@ def test_decode_graphs_replay_with_state_slots(model_pair):
     step_logits(cpu, cpu_caches, sequences, None, slots)
     step_logits(gpu, gpu_caches, sequences, None, slots)
     runner = DecodeGraphRunner(gpu.ops, max_batch_size=4, max_blocks_per_seq=BLOCKS_PER_SEQ,
-                               max_seq_len=BLOCK_SIZE * BLOCKS_PER_SEQ, padding_state_slot=NUM_SLOTS - 1)
-
-    def forward(inputs):
-        hidden = gpu.forward(inputs.token_ids, inputs.positions, inputs.attn, gpu_caches)
-        return gpu.compute_logits(hidden, inputs.logits_indices)
-
-    try:
-        for _ in range(4):  # warm-up + capture (bucket 4: one padding row), then replays with new inputs
-            cached = [len(s) for s in sequences]
-            sequences = [s + [int(rng.integers(cpu.config.vocab_size))] for s in sequences]
-            step = step_inputs(sequences, cached, block_size=BLOCK_SIZE, blocks_per_seq=BLOCKS_PER_SEQ)
-            step.meta.state_slots = np.array(slots, np.int32)
-            logits = gpu.ops.download(runner.run(forward, step.token_ids, step.positions, step.meta))
-            assert_rows_close(logits, step_logits(cpu, cpu_caches, sequences, cached, slots))
-        assert runner.slots.get(4).graph is not None
-    finally:
-        runner.close()
-
-
-def test_state_slots_carry_over_from_the_short_graph_to_the_long_one(model_pair):
-    """Graphs planned for 192 keys and short ones for up to 16: the steps whose contexts fit 16 keys
-    replay bucket 4's short graph, the later ones its long graph, both on the same static state slots,
-    and every step's logits match the CPU backend's."""
-    from oracle import step_inputs
-
-    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
-
-    cpu, gpu = model_pair
-    rng = np.random.default_rng(3)
-    sequences = [rng.integers(3, cpu.config.vocab_size, n).tolist() for n in (7, 3, 12)]
-    slots = [1, 3, 0]
-    cpu_caches, gpu_caches = caches(cpu, 3), caches(gpu, 3)
-    step_logits(cpu, cpu_caches, sequences, None, slots)
-    step_logits(gpu, gpu_caches, sequences, None, slots)
-    runner = DecodeGraphRunner(gpu.ops, max_batch_size=4, max_blocks_per_seq=BLOCKS_PER_SEQ,
                                max_seq_len=BLOCK_SIZE * BLOCKS_PER_SEQ, padding_state_slot=NUM_SLOTS - 1,
-                               short_context=16)
+                               **({} if short_context is None else {"short_context": short_context}))
 
     def forward(inputs):
         hidden = gpu.forward(inputs.token_ids, inputs.positions, inputs.attn, gpu_caches)
         return gpu.compute_logits(hidden, inputs.logits_indices)
 
     try:
-        for _ in range(8):  # the longest context after each step: 13, 14, ..., 20
+        for _ in range(8):  # the first step captures; the longest context after each step: 13, 14, ..., 20
             cached = [len(s) for s in sequences]
             sequences = [s + [int(rng.integers(cpu.config.vocab_size))] for s in sequences]
             step = step_inputs(sequences, cached, block_size=BLOCK_SIZE, blocks_per_seq=BLOCKS_PER_SEQ)
             step.meta.state_slots = np.array(slots, np.int32)
             logits = gpu.ops.download(runner.run(forward, step.token_ids, step.positions, step.meta))
             assert_rows_close(logits, step_logits(cpu, cpu_caches, sequences, cached, slots))
-        short, full = runner.slots.get(4, 16), runner.slots.get(4)
-        assert short is not None, "the 192-key plan splits, the 16-key one cannot: bucket 4 needs a short graph"
-        assert (short.num_replays, full.num_replays) == (4, 4)
+        full = runner.slots.get(4)
+        if short_context is None:
+            assert full.graph is not None and full.num_replays == 8
+        else:
+            short = runner.slots.get(4, short_context)
+            assert short is not None, "the 192-key plan splits, the 16-key one cannot: bucket 4 needs a short graph"
+            assert (short.num_replays, full.num_replays) == (4, 4)
     finally:
         runner.close()
 
