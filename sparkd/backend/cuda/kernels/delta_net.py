@@ -28,6 +28,7 @@ _RULE_SOURCE = "delta_rule.cu"  # the token-by-token form
 _CHUNKED_SOURCE = "delta_rule_chunked.cu"
 CONV_WIDTHS = (2, 3, 4)  # kWidth instantiations (Qwen3-Next: 4)
 _CONV_TILE = 64  # kConvTile: tokens a conv thread walks
+_WIDE_NORM_MIN_ROWS = 64  # fewer rows (decode-sized steps) keep the gated norm's warp a group
 MAX_DK = (32, 64, 128)  # kMaxDk instantiations: kMaxDk / kDeltaRows threads hold a column of dk state values
 _THREADS = 256
 # The conv's blocks are smaller: its ~94 registers a thread (8 tokens' loads in flight) fit 5 blocks
@@ -257,7 +258,7 @@ def gated_rmsnorm(out: DeviceTensor, x: DeviceTensor, z: DeviceTensor, weight: D
         return
     # Decode-sized steps keep a warp a group: twice the blocks (Qwen3-Next at batch 1: 4, not 2;
     # measured 1.7 against 2.1 us), which their few bytes need more than wide loads.
-    vec = vector_width(x.dtype, (x, z, out, weight), (dim, row_stride(z))) if tokens >= _CONV_TILE else 1
+    vec = vector_width(x.dtype, (x, z, out, weight), (dim, row_stride(z))) if tokens >= _WIDE_NORM_MIN_ROWS else 1
     groups_per_block = _THREADS // (32 if vec == 1 else 16)  # kLanes lanes a group
     get_kernel(KernelSpec(_SOURCE, kernel_name("gated_rmsnorm_kernel", x.dtype, vec))).launch(
         -(-tokens * (width // dim) // groups_per_block), _THREADS,
