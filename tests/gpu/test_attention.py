@@ -25,7 +25,7 @@ from cuda.bindings import driver
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
 from sparkd.backend.cuda.driver import call
 from sparkd.backend.cuda.graphs import capture
-from sparkd.backend.cuda.kernels.attention_plan import DecodePlan
+from sparkd.backend.cuda.kernels.attention_plan import SPLIT_ALIGN, DecodePlan
 from sparkd.backend.cuda.transfer import copy_to_device
 
 from .attention_plans import h200_plan
@@ -216,7 +216,7 @@ def test_decode_of_many_sequences_of_mixed_length(gpu, rel_error, tolerance, dty
     seq_lens = [1, 1100, *rng.integers(1, 1100, 30)]
     batch = make_batch(rng, [1] * len(seq_lens), seq_lens, 16, 4, 64, 16)
     if dtype == "bfloat16":
-        assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 1100) == DecodePlan(8, 8)
+        assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 1100) == DecodePlan(8, 8, SPLIT_ALIGN)
     out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
 

@@ -39,8 +39,9 @@ def test_bf16_decode_blocks_fit_three_per_h200_sm():
 
 def test_llama_decode_plans_on_the_h200():
     # The rules follow the H200 measurements quoted in plan_decode's docstring.
-    # Batch 1 at 1k: one cluster of 8 splits per kv head merges on chip; no workspace, no combine kernel.
-    assert h200_plan(1, 32, 8, 128, "bfloat16", 1024) == attention_plan.DecodePlan(8, 8)
+    # Batch 1 at 1k: one cluster of 8 splits per kv head merges on chip; no workspace, no combine
+    # kernel; splits of as few as 64 keys, as one part holds any context the plan serves.
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 1024) == attention_plan.DecodePlan(8, 8, attention_plan.SPLIT_ALIGN)
     # Batch 1 at 4k: four clusters, merged through the workspace by the last to finish.
     assert h200_plan(1, 32, 8, 128, "bfloat16", 4096) == attention_plan.DecodePlan(32, 8)
     # Batch 1 at 32k: past MAX_CLUSTER_PARTS clusters, plain splits merged the same way.
@@ -57,7 +58,8 @@ def test_llama_decode_plans_on_the_h200():
 
 
 def test_decode_without_workspace_still_splits_in_one_cluster():
-    assert h200_plan(1, 32, 8, 128, "bfloat16", 32768, workspace_numel=0) == attention_plan.DecodePlan(8, 8)
+    assert h200_plan(1, 32, 8, 128, "bfloat16", 32768, workspace_numel=0) == attention_plan.DecodePlan(
+        8, 8, attention_plan.SPLIT_ALIGN)
     assert h200_plan(1, 32, 8, 128, "float32", 32768, workspace_numel=0) == attention_plan.DecodePlan(1, 1)
 
 

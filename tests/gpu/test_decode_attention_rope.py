@@ -33,7 +33,7 @@ from device_fakes import fake_tensor  # noqa: E402
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata  # noqa: E402
 from sparkd.backend.cuda.graphs import capture  # noqa: E402
 from sparkd.backend.cuda.kernels import rope_kv  # noqa: E402
-from sparkd.backend.cuda.kernels.attention_plan import AttentionSizes, DecodePlan, plan_decode  # noqa: E402
+from sparkd.backend.cuda.kernels.attention_plan import SPLIT_ALIGN, AttentionSizes, DecodePlan, plan_decode  # noqa: E402
 from sparkd.backend.cuda.kernels.rope_kv import rope_cos_sin  # noqa: E402
 from sparkd.backend.cuda.transfer import copy_to_device  # noqa: E402
 from sparkd.backend.dtypes import decode, encode  # noqa: E402
@@ -164,6 +164,7 @@ class FusedDecode:
 DTYPES = ["float32", "bfloat16", "float16"]
 CASES = [  # shape, seq_lens, graph plan length (None: the longest sequence)
     (Shape(32, 8, 128), [128], 8192),  # Llama-3-8B at batch 1, planned as an 8k engine's graph
+    (Shape(32, 8, 128), [150], 1024),  # its short-context graph: one cluster, three 64-key splits used
     (Shape(32, 8, 128, rope=LLAMA3), [5000], 131072),  # long context, parts merged through the workspace
     (Shape(32, 4, 128, rope={"rope_theta": 1000000.0}), [3000], 4096),  # Qwen3-30B-A3B heads; bf16: 3 clusters
     (Shape(16, 4, 128, block_size=32), [1, 17, 64, 65, 300, 2500], 8192),  # one token, block edges, mixed
@@ -208,7 +209,7 @@ def test_a_padding_row_writes_nothing(gpu, rel_error, tolerance, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_seqs,num_kv_heads,plan_len", [(1, 8, 8192), (1, 4, 131072), (1, 4, 4096),
-                                                            (3, 8, 131072)])
+                                                            (3, 8, 131072), (1, 8, 1024)])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_graph_replays_equal_the_two_kernels(gpu, rel_error, tolerance, dtype, num_seqs, num_kv_heads, plan_len,
                                              with_norm):
@@ -254,6 +255,13 @@ def test_graph_cases_cover_both_bf16_kernels_on_the_h200(num_seqs, num_kv_heads,
     """The graph cases above run the plain kernel and the cluster kernel, with 128 keys in one part."""
     plan = h200_fused_plan(num_seqs, num_kv_heads, "bfloat16", plan_len)
     assert plan.cluster == cluster and plan.num_parts > 1 and plan.parts_used(128) == 1
+
+
+def test_the_short_graph_case_is_one_cluster_of_64_key_splits():
+    """The graph case planned for 1024 keys (a short-context decode graph's bound) is one part,
+    so its 129-130-key steps use three splits of the cluster."""
+    plan = h200_fused_plan(1, 8, "bfloat16", 1024)
+    assert plan == DecodePlan(8, 8, SPLIT_ALIGN) and plan.parts_used(1024) == 1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

@@ -153,6 +153,10 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
       sequence needs at most MAX_CLUSTER_PARTS clusters (1k-4k keys at batch 1: 7.3 us
       against 12.2 us at 1k); past that, plain splits merged through the workspace are
       faster (measured when a second kernel merged the parts).
+    - A plan of one cluster splits at SPLIT_ALIGN keys, not MIN_SPLIT_KEYS: batch-1 decode at
+      129-192 keys in graphs planned for 1024 keys then runs 3 blocks of a cluster, not 2
+      (Llama-3.1-8B forward 240.8 -> 242.1 tok/s, served 238.3 -> 240.3; Qwen3-30B-A3B forward
+      603.3 -> 604.4). With more parts, shorter splits would make a context use more of them.
     fp32 always splits one by one."""
     blocks = _decode_blocks(sizes)
     if blocks >= min(num_sms, DECODE_COUNTERS):
@@ -164,7 +168,11 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
         wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, DECODE_CLUSTER)
         parts = wanted // DECODE_CLUSTER
         if parts >= 1:
-            clustered = DecodePlan(DECODE_CLUSTER * min(parts, max_parts), DECODE_CLUSTER)
+            num_parts = min(parts, max_parts)
+            # One part merges every context on chip whatever its split length, so the shortest
+            # splits (SPLIT_ALIGN keys) only spread a short context over more of its blocks.
+            min_keys = SPLIT_ALIGN if num_parts == 1 else MIN_SPLIT_KEYS
+            clustered = DecodePlan(DECODE_CLUSTER * num_parts, DECODE_CLUSTER, min_keys)
             if parts <= MAX_CLUSTER_PARTS:
                 return clustered
     wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, 1)
