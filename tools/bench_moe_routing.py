@@ -42,7 +42,7 @@ from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 HIDDEN, EXPERTS, TOP_K = 2048, 128, 8
-ROUTERS_BYTES = 64 << 20  # the router's copies together: more than the H200's 50 MB of L2
+ROUTERS_BYTES = 64 << 20  # the router's copies together: more than the H200's 60 MiB of L2
 
 
 class Bench(DeviceBench):
