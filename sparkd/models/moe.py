@@ -49,12 +49,17 @@ class SparseMoeBlock:
         self.renormalize = config.norm_topk_prob
         num_experts, hidden, intermediate = config.num_experts, config.hidden_size, config.moe_intermediate_size
         router = take_shaped(weights, prefix + "gate.weight", (num_experts, hidden))
-        self.router = ops.router_weight(router)
-        self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (num_experts, 2 * intermediate, hidden))
-        self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (num_experts, hidden, intermediate))
         # Qwen3-Next: a dense SiLU expert every token takes, scaled by sigmoid(shared_expert_gate(y)).
+        # Of a routed expert's shape, it is stacked as expert E (registry.stack_experts) and its gate
+        # is the router's row E (`Ops.sparse_moe`'s shared_expert); otherwise it runs on its own.
+        self.folded = config.folds_shared_expert
+        slots = num_experts + self.folded
+        shared_gate = take_shaped(weights, prefix + "shared_expert_gate.weight", (1, hidden)) if self.folded else None
+        self.router = ops.router_weight(router, shared_gate)
+        self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (slots, 2 * intermediate, hidden))
+        self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (slots, hidden, intermediate))
         self.shared_expert = None
-        if config.shared_expert_intermediate_size:
+        if config.shared_expert_intermediate_size and not self.folded:
             shared = config.shared_expert_intermediate_size
             self.shared_expert = (take_shaped(weights, prefix + "shared_expert.gate_up_proj.weight", (2 * shared, hidden)),
                                   take_shaped(weights, prefix + "shared_expert.down_proj.weight", (hidden, shared)),
@@ -66,6 +71,9 @@ class SparseMoeBlock:
         of weight * expert(y), plus the gated shared expert where there is one.
         x [T, H] -> ([T, H], residual')."""
         y, router_input, residual = self.ops.add_rmsnorm_for_router(x, residual, norm_weight, self.eps)
+        if self.folded:
+            return self.ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                                       self.renormalize, shared_expert=True), residual
         if self.shared_expert is None:
             return self._routed_experts(y, router_input), residual
         # The shared expert needs only y, so it runs beside the routed experts (on a GPU beside the
