@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sparkd.backend.cpu.ops import NumpyOps
+from sparkd.backend.cuda.moe_ops import MoeOps
 from sparkd.models.registry import fold_shared_expert, load_model, stack_experts
 
 pytest.importorskip("transformers")
@@ -51,6 +52,27 @@ def test_the_folded_model_matches_transformers(folded):
     hf, model = folded
     assert model.config.folds_shared_expert
     block = model.layers[0].mlp
-    assert block.shared_expert is None and block.gate_up_proj.shape[0] == model.config.num_experts + 1
-    assert block.router.shape[0] == model.config.num_experts + 1
+    assert block.gate_up_proj.shape[0] == block.router.shape[0] == model.config.num_experts + 1
     assert_a_batch_matches_transformers(hf, model, long_prompt=70)
+
+
+def test_a_folded_shared_expert_run_beside_the_routed_ones_matches_transformers(folded, monkeypatch):
+    """The form a GPU takes for a step of many tokens (Ops.shared_expert_among_routed): the dense
+    shared expert and the routed ones on views of the same stacks."""
+    hf, model = folded
+    block = model.layers[0].mlp
+    gate_up, down, _ = block.shared_expert
+    assert np.shares_memory(gate_up, block.gate_up_proj) and np.shares_memory(down, block.down_proj)
+    monkeypatch.setattr(NumpyOps, "shared_expert_among_routed", lambda *_: False)
+    assert_a_batch_matches_transformers(hf, model, long_prompt=70)
+
+
+@pytest.mark.parametrize("tokens, top_k, slots, among", [
+    (1, 10, 513, True), (2, 10, 513, True),  # Qwen3-Next decode: 11 / 22 folded pairs, one launch routes them
+    (3, 10, 513, False),  # 33 folded pairs would miss the one-launch router that the routed 30 take
+    (64, 10, 513, False),  # 64 rows: 8 passes of the expert GEMMs over the shared expert's weights
+    (8, 2, 129, True), (10, 2, 129, False),  # 24 / 30 pairs, but 10 rows take two passes of kM = 8
+])
+def test_a_gpu_folds_the_shared_expert_only_into_small_decode_steps(tokens, top_k, slots, among):
+    """The rule reads shapes only: no device."""
+    assert MoeOps.shared_expert_among_routed(None, tokens, top_k, slots) is among

@@ -123,8 +123,10 @@ def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilizatio
     config = ModelConfig.from_hf({**QWEN3_NEXT_80B_A3B, "num_hidden_layers": num_layers})
     make = RandomDeviceWeights(ops.allocator, ops.stream, ops.dtype)
     weights = hybrid_device_weights(config, make)
-    expert_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." in n) // (num_layers * config.num_experts)
-    dense_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." not in n)
+    folded = config.folds_shared_expert  # the shared expert, which every step reads, stacked as expert E
+    experts = sum(t.nbytes for n, t in weights.items() if ".experts." in n)
+    expert_bytes = experts // (num_layers * (config.num_experts + folded))
+    dense_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." not in n) + folded * num_layers * expert_bytes
     dense_bytes -= weights["model.embed_tokens.weight"].nbytes  # decode reads one row of it per sequence
     dense_bytes += sum(t.nbytes for n, t in weights.items() if n.endswith(".gate.weight"))  # routers: [W | W]
     model = Qwen3NextForCausalLM(config, ops, weights)

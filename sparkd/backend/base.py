@@ -326,6 +326,13 @@ class Ops(Branching, LinearAttention, Protocol):
         for its grouped GEMMs in one launch. Each expert's output row is rounded to x's
         dtype before the fp32 weighted sum, as in `moe_experts`."""
 
+    def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        """Whether a step of T tokens runs a shared expert of the routed experts' shape as one of
+        them (`sparse_moe`'s shared_expert; num_experts counts it) rather than beside them, as a
+        dense MLP: the same sum either way. The reference always folds it; a GPU folds it at the
+        few tokens of a small decode step, where it costs what one more routed expert does, and
+        runs it dense at more, where the expert GEMMs would stream it again per few rows."""
+
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """x + y in y's dtype; y of x's shape, in x's dtype or float32 (the residual stream,
         which stays float32: the final hidden states reach the last norm unrounded)."""

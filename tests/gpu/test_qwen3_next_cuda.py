@@ -21,7 +21,8 @@ RTOL = 1e-4
 @pytest.fixture(scope="module", params=[40, 48], ids=["shared-expert-beside", "shared-expert-folded"])
 def model_pair(request, tmp_path_factory, cuda_ops_factory):
     """(NumpyOps model, CudaOps fp32 model) of one tiny checkpoint; a shared expert of the routed
-    experts' width (48) runs as one more of them (ModelConfig.folds_shared_expert)."""
+    experts' width (48) is stacked as one more of them (ModelConfig.folds_shared_expert), and runs
+    among them in decode steps of few tokens, beside them (views of the stacks) in the others."""
     oracle = pytest.importorskip("oracle")
     from sparkd.backend.cpu.ops import NumpyOps
     from sparkd.models.registry import load_model

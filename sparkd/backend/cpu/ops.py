@@ -193,6 +193,9 @@ class NumpyOps(LinearAttention):  # its gated_delta_net: LinearAttention's compo
         weights, expert_ids = route(self.linear(router_input, router), top_k, renormalize)
         return self.moe_experts(x, gate_up, down, weights, expert_ids)
 
+    def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        return True
+
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return x + y
 

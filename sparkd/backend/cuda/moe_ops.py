@@ -68,6 +68,17 @@ class MoeOps:
                                         shared_expert)
         return self._aligned_experts(x, gate_up, down, weights, alignment)
 
+    def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        """Where the folded pairs still take the one-launch router (T * (k + 1) <= WARP_MAX_PAIRS)
+        and the GEMV-style expert GEMMs run the shared expert's T rows in one pass, it costs what
+        a routed expert does, and its three GEMVs and their gated add beside the router go. The
+        Qwen3-Next MoE block's graph time, among / beside (session 14): 0.92 at T = 1 and 2; 1.06
+        at T = 3, whose 33 folded pairs miss the one-launch router that the routed 30 take; 1.0-1.04
+        at T = 4-8; 1.07-1.20 at T >= 12, where its rows run kM at a time, each pass streaming its
+        weights again after the routed experts have finished."""
+        pairs = num_tokens * (top_k + 1)
+        return pairs <= moe_routing.WARP_MAX_PAIRS and num_tokens <= moe_gemm.expert_tile(pairs, num_experts)
+
     def _routing_outputs(self, num_tokens: int, num_experts: int, top_k: int,
                          shared_expert: bool = False) -> tuple[DeviceTensor, DeviceTensor]:
         """weights [T, k] float32 and expert_ids [T, k] int32 (k + 1 columns with a shared expert's),
