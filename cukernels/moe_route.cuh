@@ -46,15 +46,21 @@ struct RouterLogits {
   }
 };
 
+// The weight of a token's shared expert (`shared`: expert E, the router's logit column E):
+// sigmoid of that logit, as the numpy twin computes it.
+__device__ __forceinline__ float shared_expert_weight(float logit) { return 1.f / (1.f + expf(-logit)); }
+
 // One token's routing by one warp, from its logits [E] (logits(token, e), a RouterLogits):
 // lane j < k gets the j-th choice (its expert and weight). The softmax over E in fp32, its
 // k largest probabilities in descending order, ties to the lower expert id; divided by their
 // sum when renormalize. Selection compares the logits (softmax is monotonic), as
 // order-preserving uint keys so that one redux.sync finds the warp's maximum; equal
-// logits are exactly the equal probabilities of the numpy twin.
+// logits are exactly the equal probabilities of the numpy twin. With `shared`, lane k also
+// gets expert E, weighted by shared_expert_weight(logit E), outside the softmax and the
+// renormalisation (k + 1 <= 32).
 template <typename Logits>
 __device__ __forceinline__ void route_token(const Logits& logits, int token, int num_experts, int top_k,
-                                            bool renormalize, int& chosen_expert, float& weight) {
+                                            bool renormalize, bool shared, int& chosen_expert, float& weight) {
   const int lane = threadIdx.x & 31;
   unsigned keys[kSlots];  // lane's experts lane + 32 * i, in registers (the loops unroll)
   unsigned taken = 0;     // bit i: expert lane + 32 * i is chosen, or does not exist
@@ -96,6 +102,10 @@ __device__ __forceinline__ void route_token(const Logits& logits, int token, int
   sum = warp_reduce(sum, SumOp());
   weight = lane < top_k ? expf(chosen_logit - max_logit) / sum : 0.f;
   if (renormalize) weight /= warp_reduce(weight, SumOp());
+  if (shared && lane == top_k) {
+    chosen_expert = num_experts;
+    weight = shared_expert_weight(logits(token, num_experts));
+  }
 }
 
 }  // namespace sparkd

@@ -74,25 +74,27 @@ __device__ __forceinline__ void write_pair_offsets(int* offsets, const int* expe
   }
 }
 
-// weights [T, k] float32, expert_ids [T, k] int32 and the alignment of the T * k pairs from
-// logits (a RouterLogits over [T, E]): route_token per token, lane p keeping pair p, then
-// order_pairs_warp and write_pair_offsets. Every lane of one warp calls it; limits as
-// moe_route_kernel.
+// weights [T, k'] float32, expert_ids [T, k'] int32 and the alignment of the T * k' pairs of E'
+// experts from logits (a RouterLogits over [T, E], or [T, E + 1] with `shared`): route_token per
+// token, lane p keeping pair p, then order_pairs_warp and write_pair_offsets. k' = k and E' = E,
+// or with `shared` k + 1 and E + 1 (each token's last pair its shared expert, E). Every lane of
+// one warp calls it; limits as moe_route_kernel, and T * k' <= 32.
 template <typename Logits>
 __device__ __forceinline__ void route_align_warp(float* weights, int* expert_ids, int* offsets, int* sorted_pairs,
                                                  int* row_of_pair, int* active_experts, int* num_active,
                                                  const Logits& logits, int num_tokens, int num_experts, int top_k,
-                                                 bool renormalize) {
+                                                 bool renormalize, bool shared) {
   const int lane = threadIdx.x & 31;
+  const int per_token = top_k + shared;  // a token's pairs: its choices, then its shared expert's
   __shared__ alignas(16) int pair_experts[kMaxPairs];
   int my_expert = kMaxExperts;
   for (int token = 0; token < num_tokens; ++token) {
     int expert;
     float weight;
-    route_token(logits, token, num_experts, top_k, renormalize, expert, weight);
-    // Lane j of the routing warp holds choice j; it belongs to pair (lane) token * k + j.
-    const int choice = lane - token * top_k;
-    const bool mine = choice >= 0 && choice < top_k;
+    route_token(logits, token, num_experts, top_k, renormalize, shared, expert, weight);
+    // Lane j of the routing warp holds choice j; it belongs to pair (lane) token * per_token + j.
+    const int choice = lane - token * per_token;
+    const bool mine = choice >= 0 && choice < per_token;
     expert = __shfl_sync(kFullMask, expert, mine ? choice : 0);
     weight = __shfl_sync(kFullMask, weight, mine ? choice : 0);
     if (mine) {
@@ -101,11 +103,12 @@ __device__ __forceinline__ void route_align_warp(float* weights, int* expert_ids
       expert_ids[lane] = expert;
     }
   }
-  const int num_pairs = num_tokens * top_k;
+  const int num_pairs = num_tokens * per_token, aligned_experts = num_experts + shared;
   pair_experts[lane] = my_expert;
   __syncwarp();
-  order_pairs_warp(my_expert, offsets, sorted_pairs, row_of_pair, active_experts, num_active, num_pairs, num_experts);
-  write_pair_offsets<kSlots>(offsets, pair_experts, num_pairs, num_experts, lane, 32);
+  order_pairs_warp(my_expert, offsets, sorted_pairs, row_of_pair, active_experts, num_active, num_pairs,
+                   aligned_experts);
+  write_pair_offsets<kSlots>(offsets, pair_experts, num_pairs, aligned_experts, lane, 32);
 }
 
 }  // namespace sparkd

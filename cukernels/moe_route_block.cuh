@@ -30,17 +30,21 @@ struct BlockRouteShared {
   unsigned tau[32];                               // [T]: the lowest key a candidate has
   unsigned top[32];                               // [T]: the largest key
   int num_candidates[32];                         // [T]
-  alignas(16) int chosen[kMaxPairs];              // pair p = t * k + j: the expert of token t's j-th choice
+  alignas(16) int chosen[kMaxPairs];              // pair p = t * k' + j: the expert of token t's j-th pair
 };
 
-// weights [T, k] float32, expert_ids [T, k] int32 and the alignment of the T * k <= 32 pairs
-// from logits (a RouterLogits over [T, E]), T * E <= kBlockRouteLogits, k <= kMaxTopK.
+// weights [T, k'] float32, expert_ids [T, k'] int32 and the alignment of the T * k' <= 32 pairs
+// of E' experts from logits (a RouterLogits over [T, E], or [T, E + 1] with `shared`), T * E <=
+// kBlockRouteLogits, k <= kMaxTopK; k' and E' as route_align_warp's (with `shared`, each token's
+// last pair is expert E, weighted as route_token weighs it).
 // Every thread of the block calls it (blockDim.x a multiple of 32, at least kMinRouteThreads).
 template <typename Logits>
 __device__ void route_align_block(float* weights, int* expert_ids, int* offsets, int* sorted_pairs, int* row_of_pair,
                                   int* active_experts, int* num_active, const Logits& logits, int num_tokens,
-                                  int num_experts, int top_k, bool renormalize, BlockRouteShared& s) {
+                                  int num_experts, int top_k, bool renormalize, bool shared,
+                                  BlockRouteShared& s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, num_warps = blockDim.x / 32;
+  const int per_token = top_k + shared;
   const int count = num_tokens * num_experts;
   const int num_segments = (num_experts + kRouteSegment - 1) / kRouteSegment;
   const int padded = num_segments * kRouteSegment;  // a token's experts, its last segment filled out
@@ -127,8 +131,9 @@ __device__ void route_align_block(float* weights, int* expert_ids, int* offsets,
       const unsigned other_key = row[other];
       rank += other_key > key || (other_key == key && other < expert);
     }
-    if (rank < top_k) s.chosen[token * top_k + rank] = expert;
+    if (rank < top_k) s.chosen[token * per_token + rank] = expert;
   }
+  if (shared && static_cast<int>(threadIdx.x) < num_tokens) s.chosen[threadIdx.x * per_token + top_k] = num_experts;
   __syncthreads();
 
   // A warp per token sums its softmax; the warps past them (all, when they are too few) write the
@@ -136,11 +141,11 @@ __device__ void route_align_block(float* weights, int* expert_ids, int* offsets,
   // orders the pairs. The spare threads are counted signed: blockDim.x is unsigned, so with more
   // tokens than warps (T 16 or 32 on 8) the difference would wrap to a huge count, first_helper
   // would lie past every thread, and no thread would write offsets [0, E).
-  const int num_pairs = num_tokens * top_k;
+  const int num_pairs = num_tokens * per_token, aligned_experts = num_experts + shared;
   const int spare_threads = static_cast<int>(blockDim.x) - 32 * num_tokens;
   const int first_helper = spare_threads >= kMinRouteThreads ? 32 * num_tokens : 0;
   if (static_cast<int>(threadIdx.x) >= first_helper) {
-    write_pair_offsets<kMaxExperts / kMinRouteThreads>(offsets, s.chosen, num_pairs, num_experts,
+    write_pair_offsets<kMaxExperts / kMinRouteThreads>(offsets, s.chosen, num_pairs, aligned_experts,
                                                        threadIdx.x - first_helper, blockDim.x - first_helper);
   }
   for (int token = warp; token < num_tokens; token += num_warps) {
@@ -148,17 +153,18 @@ __device__ void route_align_block(float* weights, int* expert_ids, int* offsets,
     float sum = 0.f;  // lane's experts lane + 32 * i in order of i, then the butterfly: route_token's sum
     for (int expert = lane; expert < num_experts; expert += 32) sum += terms[expert];
     sum = warp_reduce(sum, SumOp());
-    const int pair = token * top_k + lane;
+    const int pair = token * per_token + lane;
     float weight = lane < top_k ? terms[s.chosen[pair]] / sum : 0.f;
     if (renormalize) weight /= warp_reduce(weight, SumOp());
-    if (lane < top_k) {
+    if (shared && lane == top_k) weight = shared_expert_weight(logits(token, num_experts));
+    if (lane < per_token) {
       weights[pair] = weight;
       expert_ids[pair] = s.chosen[pair];
     }
   }
   if (warp == num_warps - 1) {
     order_pairs_warp(lane < num_pairs ? s.chosen[lane] : kMaxExperts, offsets, sorted_pairs, row_of_pair,
-                     active_experts, num_active, num_pairs, num_experts);
+                     active_experts, num_active, num_pairs, aligned_experts);
   }
 }
 

@@ -101,7 +101,9 @@ __device__ __forceinline__ void router_partials(float (*partial)[kRouterTokens],
 // each thread up to kRouterChunks chunks of it a pass; W is router_order_warps(K / chunk) divided
 // by 1, 2 or 4. Preconditions (checked by the launcher): K and ld_x are multiples of a 16-byte
 // chunk, router_input and router are 16-byte aligned, E <= kMaxExperts, 1 <= k <= min(E, kMaxTopK),
-// T * k <= 32.
+// T * k <= 32. With `shared`, the router's last row is a shared expert's gate: the routing takes
+// the first E - 1 logits and adds each token's pair of expert E - 1 (route_align_warp), so k + 1
+// <= kMaxTopK and T * (k + 1) <= 32.
 // The minimum of one block an SM is said outright: without it ptxas for sm_120 holds the
 // kernel to 64 registers and spills; with it, 124 (sm_90) and 124 to 128 (sm_120) (NVRTC 13.5)
 // and no spills. So an SM holds 16 of its warps, which router_grid counts on for one wave.
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(32 * kRouterMaxWarps, 1)
                                   int* __restrict__ num_active, float* __restrict__ router_logits,
                                   const T* __restrict__ router_input, const T* __restrict__ router, int num_tokens,
                                   int num_experts, int top_k, int K, long long ld_x, int warps_per_expert,
-                                  int renormalize) {
+                                  int renormalize, int shared) {
   const int warp = threadIdx.x / 32;
   const int experts_per_block = blockDim.x / (32 * warps_per_expert);
   const int first_expert = blockIdx.x * experts_per_block;
@@ -149,9 +151,9 @@ __global__ void __launch_bounds__(32 * kRouterMaxWarps, 1)
   if (num_tokens * num_experts <= kBlockRouteLogits) {
     __shared__ BlockRouteShared route;
     route_align_block(weights, expert_ids, offsets, sorted_pairs, row_of_pair, active_experts, num_active, logits,
-                      num_tokens, num_experts, top_k, renormalize, route);
+                      num_tokens, num_experts - shared, top_k, renormalize, shared, route);
   } else if (warp == 0) {
     route_align_warp(weights, expert_ids, offsets, sorted_pairs, row_of_pair, active_experts, num_active, logits,
-                     num_tokens, num_experts, top_k, renormalize);
+                     num_tokens, num_experts - shared, top_k, renormalize, shared);
   }
 }

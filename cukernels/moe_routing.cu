@@ -35,23 +35,26 @@ constexpr int kCombineBatch = 8;          // rows a combine thread loads before 
 
 // ---- routing ----
 
-// weights [T, k] float32, expert_ids [T, k] int32 <- router_logits [T, E] (row stride
-// ld_logits), as route_token.
+// weights [T, k'] float32, expert_ids [T, k'] int32 <- router_logits [T, E] (row stride
+// ld_logits), as route_token: k' = k, or k + 1 with `shared` (then the logits have a column E,
+// the shared expert's gate, and each token's last pair is expert E).
 // Launch: ceil(T / kRouteWarps) blocks of 32 * kRouteWarps threads, a warp per token.
-// E <= kMaxExperts, 1 <= k <= min(E, kMaxTopK).
+// E + shared <= kMaxExperts, 1 <= k <= min(E, kMaxTopK - shared).
 template <typename T>
 __global__ void __launch_bounds__(32 * kRouteWarps)
     moe_route_kernel(float* __restrict__ weights, int* __restrict__ expert_ids, const T* __restrict__ router_logits,
-                     int num_tokens, int num_experts, int top_k, long long ld_logits, int renormalize) {
+                     int num_tokens, int num_experts, int top_k, long long ld_logits, int renormalize, int shared) {
   const int lane = threadIdx.x & 31;
   const int token = blockIdx.x * kRouteWarps + threadIdx.x / 32;
   if (token >= num_tokens) return;  // the whole warp: no block-wide sync follows
   int expert;
   float weight;
-  route_token(RouterLogits<T>{router_logits, ld_logits}, token, num_experts, top_k, renormalize, expert, weight);
-  if (lane < top_k) {
-    weights[token * top_k + lane] = weight;
-    expert_ids[token * top_k + lane] = expert;
+  route_token(RouterLogits<T>{router_logits, ld_logits}, token, num_experts, top_k, renormalize, shared, expert,
+              weight);
+  const int per_token = top_k + shared;
+  if (lane < per_token) {
+    weights[token * per_token + lane] = weight;
+    expert_ids[token * per_token + lane] = expert;
   }
 }
 
@@ -132,40 +135,41 @@ __global__ void __launch_bounds__(kFusedThreads)
                            int* __restrict__ sorted_pairs, int* __restrict__ row_of_pair,
                            int* __restrict__ active_experts, int* __restrict__ num_active,
                            const T* __restrict__ router_logits, int num_tokens, int num_experts, int top_k,
-                           long long ld_logits, int renormalize) {
+                           long long ld_logits, int renormalize, int shared) {
   __shared__ RankShared s;
   __shared__ int s_ids[kMaxFusedTokens * kMaxTopK];
   __shared__ int s_scratch[32];
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, per_token = top_k + shared;
   for (int token = threadIdx.x / 32; token < num_tokens; token += kFusedThreads / 32) {
     int expert;
     float weight;
-    route_token(RouterLogits<T>{router_logits, ld_logits}, token, num_experts, top_k, renormalize, expert, weight);
-    if (lane < top_k) {
-      weights[token * top_k + lane] = weight;
-      expert_ids[token * top_k + lane] = expert;
-      s_ids[token * top_k + lane] = expert;
+    route_token(RouterLogits<T>{router_logits, ld_logits}, token, num_experts, top_k, renormalize, shared, expert,
+                weight);
+    if (lane < per_token) {
+      weights[token * per_token + lane] = weight;
+      expert_ids[token * per_token + lane] = expert;
+      s_ids[token * per_token + lane] = expert;
     }
   }
-  clear_rank_shared(s, num_experts);  // its barrier also publishes s_ids
-  align_in_block(offsets, sorted_pairs, row_of_pair, active_experts, num_active, s_ids, num_tokens * top_k,
-                 num_experts, s, s_scratch);
+  clear_rank_shared(s, num_experts + shared);  // its barrier also publishes s_ids
+  align_in_block(offsets, sorted_pairs, row_of_pair, active_experts, num_active, s_ids, num_tokens * per_token,
+                 num_experts + shared, s, s_scratch);
 }
 
 // ---- routing and alignment by one warp ----
 
-// moe_route_align_kernel's outputs for a decode step's few pairs (T * k <= 32) by one warp:
+// moe_route_align_kernel's outputs for a decode step's few pairs (T * k' <= 32) by one warp:
 // route_align_warp.
-// Launch: one block of 32 threads; limits as moe_route_kernel, and T * k <= 32.
+// Launch: one block of 32 threads; limits as moe_route_kernel, and T * k' <= 32.
 template <typename T>
 __global__ void __launch_bounds__(32)
     moe_route_align_warp_kernel(float* __restrict__ weights, int* __restrict__ expert_ids,
                                 int* __restrict__ offsets, int* __restrict__ sorted_pairs,
                                 int* __restrict__ row_of_pair, int* __restrict__ active_experts,
                                 int* __restrict__ num_active, const T* __restrict__ router_logits, int num_tokens,
-                                int num_experts, int top_k, long long ld_logits, int renormalize) {
+                                int num_experts, int top_k, long long ld_logits, int renormalize, int shared) {
   route_align_warp(weights, expert_ids, offsets, sorted_pairs, row_of_pair, active_experts, num_active,
-                   RouterLogits<T>{router_logits, ld_logits}, num_tokens, num_experts, top_k, renormalize);
+                   RouterLogits<T>{router_logits, ld_logits}, num_tokens, num_experts, top_k, renormalize, shared);
 }
 
 // ---- combine ----

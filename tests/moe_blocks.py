@@ -16,7 +16,7 @@ def shared_expert_block(ops, rng, hidden=64, num_experts=8, top_k=2, intermediat
     fields the block reads."""
     config = SimpleNamespace(rms_norm_eps=1e-6, num_experts=num_experts, num_experts_per_tok=top_k,
                              norm_topk_prob=True, hidden_size=hidden, moe_intermediate_size=intermediate,
-                             shared_expert_intermediate_size=shared)
+                             shared_expert_intermediate_size=shared, folds_shared_expert=False)
     shapes = {"gate.weight": (num_experts, hidden), "experts.gate_up_proj": (num_experts, 2 * intermediate, hidden),
               "experts.down_proj": (num_experts, hidden, intermediate),
               "shared_expert.gate_up_proj.weight": (2 * shared, hidden),

@@ -216,8 +216,8 @@ def test_router_launches_one_kernel_with_the_gemv_grid(monkeypatch, dtype, num_t
     alignment = operands["alignment"]
     assert args[:10] == [operands["weights"], operands["expert_ids"], *alignment.outputs(), operands["router_logits"],
                          operands["router_input"], operands["router"]]
-    assert args[10:] == [num_tokens, 128, top_k, width, expected_stride, warps_per_expert, 1]
-    assert [type(a) for a in args[10:]] == [np.int32] * 4 + [np.int64] + [np.int32] * 2
+    assert args[10:] == [num_tokens, 128, top_k, width, expected_stride, warps_per_expert, 1, 0]  # not shared
+    assert [type(a) for a in args[10:]] == [np.int32] * 4 + [np.int64] + [np.int32] * 3
 
 
 def test_router_takes_operands_its_loads_can_read():

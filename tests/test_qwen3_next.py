@@ -62,15 +62,20 @@ def test_config_has_the_3_to_1_layout(hybrid):
     assert (c.delta_net_shape.num_k_heads, c.delta_net_shape.num_v_heads, c.delta_net_shape.conv_dim) == (2, 4, 160)
 
 
-def test_a_batch_of_prompts_matches_transformers(hybrid):
-    """Three sequences in one step, each on its own slot; one crosses a 64-token chunk of the WY form."""
-    _, hf, model = hybrid
+def assert_a_batch_matches_transformers(hf, model, long_prompt: int = 150) -> None:
+    """Three sequences in one step, each on its own slot; the third, of long_prompt tokens, crosses
+    a 64-token chunk of the WY form."""
     prompts = [p for p in make_prompts(np.random.default_rng(1), model.config.vocab_size) if len(p) > 1][:2]
-    prompts.append(np.random.default_rng(2).integers(3, model.config.vocab_size, 150).tolist())
+    prompts.append(np.random.default_rng(2).integers(3, model.config.vocab_size, long_prompt).tolist())
     logits = step_logits(model, caches(model, 3), prompts, None, [2, 0, 3])
     rows = np.cumsum([0] + [len(p) for p in prompts])
     for b, prompt in enumerate(prompts):
         assert_rows_close(logits[rows[b]:rows[b + 1]], hf_logits(hf, prompt))
+
+
+def test_a_batch_of_prompts_matches_transformers(hybrid):
+    _, hf, model = hybrid
+    assert_a_batch_matches_transformers(hf, model)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])

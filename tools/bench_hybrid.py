@@ -79,20 +79,24 @@ class HybridModel(Model):
 
 def hybrid_device_weights(config: ModelConfig, make: RandomDeviceWeights) -> dict:
     """Every weight Qwen3NextForCausalLM takes, in the layout `prepare_weights` leaves (the gate
-    rows after q/k/v, one delta-net in_proj, the conv as [C, W], zero-centred norms as 1 + 0)."""
+    rows after q/k/v, one delta-net in_proj, the conv as [C, W], zero-centred norms as 1 + 0) and
+    the registry stacks (a shared expert of a routed expert's shape as expert E)."""
     c, matrix, filled = config, make.matrix, make.filled
     h = c.hidden_size
     e, i, s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    slots = e + c.folds_shared_expert
     weights = {"model.embed_tokens.weight": matrix((c.vocab_size, h), 1), "model.norm.weight": filled(h, 1),
                "lm_head.weight": matrix((c.vocab_size, h), h)}
     for layer in range(c.num_layers):
         p = f"model.layers.{layer}."
         weights |= {p + "input_layernorm.weight": filled(h, 1), p + "post_attention_layernorm.weight": filled(h, 1),
-                    p + "mlp.gate.weight": matrix((e, h), h), p + "mlp.experts.gate_up_proj": matrix((e, 2 * i, h), h),
-                    p + "mlp.experts.down_proj": matrix((e, h, i), i),
-                    p + "mlp.shared_expert.gate_up_proj.weight": matrix((2 * s, h), h),
-                    p + "mlp.shared_expert.down_proj.weight": matrix((h, s), s),
+                    p + "mlp.gate.weight": matrix((e, h), h),
+                    p + "mlp.experts.gate_up_proj": matrix((slots, 2 * i, h), h),
+                    p + "mlp.experts.down_proj": matrix((slots, h, i), i),
                     p + "mlp.shared_expert_gate.weight": matrix((1, h), h)}
+        if not c.folds_shared_expert:
+            weights |= {p + "mlp.shared_expert.gate_up_proj.weight": matrix((2 * s, h), h),
+                        p + "mlp.shared_expert.down_proj.weight": matrix((h, s), s)}
         if c.is_linear_attention_layer(layer):
             weights |= delta_net_weights(c, make, p + "linear_attn.")
         else:
@@ -119,8 +123,10 @@ def build_model(ops: CudaOps, num_layers: int, steps: int, gpu_memory_utilizatio
     config = ModelConfig.from_hf({**QWEN3_NEXT_80B_A3B, "num_hidden_layers": num_layers})
     make = RandomDeviceWeights(ops.allocator, ops.stream, ops.dtype)
     weights = hybrid_device_weights(config, make)
-    expert_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." in n) // (num_layers * config.num_experts)
-    dense_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." not in n)
+    folded = config.folds_shared_expert  # the shared expert, which every step reads, stacked as expert E
+    experts = sum(t.nbytes for n, t in weights.items() if ".experts." in n)
+    expert_bytes = experts // (num_layers * (config.num_experts + folded))
+    dense_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." not in n) + folded * num_layers * expert_bytes
     dense_bytes -= weights["model.embed_tokens.weight"].nbytes  # decode reads one row of it per sequence
     dense_bytes += sum(t.nbytes for n, t in weights.items() if n.endswith(".gate.weight"))  # routers: [W | W]
     model = Qwen3NextForCausalLM(config, ops, weights)

@@ -38,8 +38,10 @@ def main() -> int:
     config = ModelConfig.from_hf({**QWEN3_NEXT_80B_A3B, "num_hidden_layers": 1})  # layer 0: a delta net
     make = RandomDeviceWeights(ops.allocator, ops.stream, ops.dtype)
     weights = hybrid_device_weights(config, make)
-    expert_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." in n) // config.num_experts
-    shared_bytes = sum(t.nbytes for n, t in weights.items() if "shared_expert" in n)
+    folded = config.folds_shared_expert  # the shared expert stacked as expert E, its gate the router's row E
+    expert_bytes = sum(t.nbytes for n, t in weights.items() if ".experts." in n) // (config.num_experts + folded)
+    shared_bytes = sum(t.nbytes for n, t in weights.items() if "shared_expert" in n) + folded * expert_bytes
+    routed_pairs = config.num_experts_per_tok + folded  # the pairs a token's experts run
     mixer_bytes = sum(t.nbytes for n, t in weights.items() if ".linear_attn." in n)
     layer = Qwen3NextForCausalLM(config, ops, weights).layers[0]
     mixer, moe, shape = layer.self_attn, layer.mlp, config.delta_net_shape
@@ -55,20 +57,20 @@ def main() -> int:
     g, beta = ops.delta_net_gates(a, b, mixer.a_log, mixer.dt_bias)
     core = make.matrix((1, hv * dv), 1)
     y, router_input, _ = ops.add_rmsnorm_for_router(x, residual, layer.post_attention_layernorm, config.rms_norm_eps)
-    gate_up, down, gate = moe.shared_expert
     routed_out = make.matrix((1, h), 1)  # what the shared expert's gated output is added to
 
     def shared_expert():
+        gate_up, down, gate = moe.shared_expert
         shared = ops.linear(ops.linear_silu_and_mul(y, gate_up), down)
         return ops.mul_sigmoid(shared, ops.linear(y, gate), add_to=routed_out)
 
     def route():
         """moe_router's one launch, as sparse_moe makes it at one token: (weights, alignment)."""
-        weights, expert_ids = ops._routing_outputs(1, config.num_experts, moe.top_k)
-        alignment = moe_routing.MoeAlignment.allocate(ops.allocator, moe.top_k, config.num_experts)
-        logits = ops.allocator.empty((1, config.num_experts), DType.float32)
+        weights, expert_ids = ops._routing_outputs(1, config.num_experts, moe.top_k, folded)
+        alignment = moe_routing.MoeAlignment.allocate(ops.allocator, routed_pairs, config.num_experts + folded)
+        logits = ops.allocator.empty((1, config.num_experts + folded), DType.float32)
         moe_router.moe_router_route_align(weights, expert_ids, alignment, logits, router_input, moe.router,
-                                          moe.renormalize, ops.stream)
+                                          moe.renormalize, ops.stream, folded)
         return weights, alignment
 
     routed = route()
@@ -91,15 +93,17 @@ def main() -> int:
         ("  out_proj", lambda: ops.linear(core, mixer.out_proj), mixer.out_proj.nbytes, 1),
         ("MoE block, norm to shared expert", lambda: moe.forward(x, residual, layer.post_attention_layernorm),
          router_bytes + config.num_experts_per_tok * expert_bytes + shared_bytes, None),
-        ("  routed experts (sparse_moe)", lambda: ops.sparse_moe(y, router_input, moe.router, moe.gate_up_proj,
-                                                                 moe.down_proj, moe.top_k, moe.renormalize),
-         router_bytes + config.num_experts_per_tok * expert_bytes, None),
+        ("  routed experts (sparse_moe)" + (", the shared one among them" if folded else ""),
+         lambda: ops.sparse_moe(y, router_input, moe.router, moe.gate_up_proj, moe.down_proj, moe.top_k,
+                                moe.renormalize, folded),
+         router_bytes + routed_pairs * expert_bytes, None),
         ("    router, routing, alignment", route, router_bytes, 1),
         ("    experts: gate_up, down, combine", lambda: ops._aligned_experts(y, moe.gate_up_proj, moe.down_proj,
                                                                           *routed),
-         config.num_experts_per_tok * expert_bytes, 3),
-        ("  shared expert, its gate, the add", shared_expert, shared_bytes, 4),
+         routed_pairs * expert_bytes, 3),
     ]
+    if not folded:
+        parts.append(("  shared expert, its gate, the add", shared_expert, shared_bytes, 4))
     print(f"# {ops.device.name}: copy {copy_rate / 1e12:.2f} TB/s; Qwen3-Next-80B-A3B delta-net layer, batch-1 decode, "
           f"{CACHED} cached tokens\n")
     print("| part | us | floor us | floor / time | launches |\n| --- | --- | --- | --- | --- |")

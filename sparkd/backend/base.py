@@ -237,10 +237,11 @@ class Ops(Branching, LinearAttention, Protocol):
         model [T, 2H] = [y | what rounding y lost], in the model dtype, whose product with
         [W | W] is the unrounded rows' on 16-bit tensor cores (CUDA; y is a view of its first half)."""
 
-    def router_weight(self, router: Tensor) -> Tensor:
+    def router_weight(self, router: Tensor, shared_gate: Tensor | None = None) -> Tensor:
         """A MoE router's weight [E, H] as loaded (model dtype) -> the weight `sparse_moe`'s router
         GEMM takes beside `add_rmsnorm_for_router`'s router_input: float32 [E, H], or [E, 2H] =
-        [W | W] in the model dtype where router_input is split."""
+        [W | W] in the model dtype where router_input is split. shared_gate [1, H]: a shared
+        expert's gate, appended as row E (for `sparse_moe`'s shared_expert)."""
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: np.dtype | None = None) -> Tensor:
         """x [T, K], weight [N, K] (HF layout), bias [N] -> [T, N] in x's dtype, or in
@@ -311,16 +312,26 @@ class Ops(Branching, LinearAttention, Protocol):
         back to token order for the weighted combine."""
 
     def sparse_moe(self, x: Tensor, router_input: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
-                   renormalize: bool) -> Tensor:
+                   renormalize: bool, shared_expert: bool = False) -> Tensor:
         """The routed MoE block: the router GEMM (fp32 logits of the unrounded rows), `moe_route`,
         then `moe_experts`.
 
         x [T, H] (model dtype), router_input (the same rows before their rounding, from
         `add_rmsnorm_for_router`), router (from `router_weight`, E experts), gate_up [E, 2I, H],
-        down [E, H, I] -> [T, H] in x's dtype.
+        down [E, H, I] -> [T, H] in x's dtype. shared_expert: the router's last row is a shared
+        expert's gate and the experts' last (expert E - 1 of gate_up's E) the shared expert; the
+        routing takes top_k of the others, and every token also takes that one, weighted
+        sigmoid(its gate logit) (cpu.moe.route_with_shared_expert).
         That composition is the reference (NumpyOps); a GPU routes and aligns the pairs
         for its grouped GEMMs in one launch. Each expert's output row is rounded to x's
         dtype before the fp32 weighted sum, as in `moe_experts`."""
+
+    def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        """Whether a step of T tokens runs a shared expert of the routed experts' shape as one of
+        them (`sparse_moe`'s shared_expert; num_experts counts it) rather than beside them, as a
+        dense MLP: the same sum either way. The reference always folds it; a GPU folds it at the
+        few tokens of a small decode step, where it costs what one more routed expert does, and
+        runs it dense at more, where the expert GEMMs would stream it again per few rows."""
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """x + y in y's dtype; y of x's shape, in x's dtype or float32 (the residual stream,

@@ -218,8 +218,9 @@ class LLMEngine:
         qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         per_token = 3 * cfg.intermediate_size + qkv_width + 2 * cfg.num_heads * cfg.head_dim + 4 * cfg.hidden_size
         if cfg.num_experts:  # per (token, expert) pair: its SiLU'd hidden row, its fp32 output row; router logits
-            k = cfg.num_experts_per_tok
-            per_token += k * cfg.moe_intermediate_size + (2 * k * cfg.hidden_size + cfg.num_experts) * 4 // self.ops.dtype.itemsize
+            k = cfg.num_experts_per_tok + cfg.folds_shared_expert  # a folded shared expert is a pair more
+            logits = cfg.num_experts + cfg.folds_shared_expert
+            per_token += k * cfg.moe_intermediate_size + (2 * k * cfg.hidden_size + logits) * 4 // self.ops.dtype.itemsize
         activations = args.max_num_batched_tokens * per_token * self.ops.dtype.itemsize
         if cfg.linear_attention_layers:  # a delta net's in_proj and conv outputs, its rule's scratch
             shape = cfg.delta_net_shape

@@ -78,6 +78,13 @@ class ModelConfig:
         return bool(self.layer_types) and self.layer_types[index] == "linear_attention"
 
     @property
+    def folds_shared_expert(self) -> bool:
+        """Whether the shared expert runs as one more expert of the stacked experts (expert E, which
+        every token takes, weighted by its sigmoid gate): it has a routed expert's shape, and the
+        experts' two launches then stream its weights too, instead of three more GEMVs beside them."""
+        return 0 < self.shared_expert_intermediate_size == self.moe_intermediate_size
+
+    @property
     def attention_layers(self) -> list[int]:
         """The layers that keep K/V in the paged cache."""
         return [i for i in range(self.num_layers) if not self.is_linear_attention_layer(i)]

@@ -49,16 +49,28 @@ class SparseMoeBlock:
         self.renormalize = config.norm_topk_prob
         num_experts, hidden, intermediate = config.num_experts, config.hidden_size, config.moe_intermediate_size
         router = take_shaped(weights, prefix + "gate.weight", (num_experts, hidden))
-        self.router = ops.router_weight(router)
-        self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (num_experts, 2 * intermediate, hidden))
-        self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (num_experts, hidden, intermediate))
         # Qwen3-Next: a dense SiLU expert every token takes, scaled by sigmoid(shared_expert_gate(y)).
-        self.shared_expert = None
+        # Of a routed expert's shape, it is stacked as expert E (registry.fold_shared_expert) and its
+        # gate is the router's row E, so that a step can run it as one more expert (`Ops.sparse_moe`'s
+        # shared_expert) or beside them (`Ops.shared_expert_among_routed` picks), from one copy.
+        self.folded = config.folds_shared_expert
+        slots = num_experts + self.folded
+        shared_gate = None
         if config.shared_expert_intermediate_size:
+            shared_gate = take_shaped(weights, prefix + "shared_expert_gate.weight", (1, hidden))
+        self.router = ops.router_weight(router, shared_gate if self.folded else None)
+        self.gate_up_proj = take_shaped(weights, prefix + "experts.gate_up_proj", (slots, 2 * intermediate, hidden))
+        self.down_proj = take_shaped(weights, prefix + "experts.down_proj", (slots, hidden, intermediate))
+        # The routed experts and the shared one, as views of those stacks where it is folded in.
+        self.routed = (self.router[:num_experts], self.gate_up_proj[:num_experts], self.down_proj[:num_experts])
+        self.shared_expert = None
+        if self.folded:
+            self.shared_expert = (self.gate_up_proj[num_experts], self.down_proj[num_experts], shared_gate)
+        elif shared_gate is not None:
             shared = config.shared_expert_intermediate_size
             self.shared_expert = (take_shaped(weights, prefix + "shared_expert.gate_up_proj.weight", (2 * shared, hidden)),
                                   take_shaped(weights, prefix + "shared_expert.down_proj.weight", (hidden, shared)),
-                                  take_shaped(weights, prefix + "shared_expert_gate.weight", (1, hidden)))
+                                  shared_gate)
 
     def forward(self, x: Tensor, residual: Tensor, norm_weight: Tensor) -> tuple[Tensor, Tensor]:
         """The post-attention norm of x + residual, kept unrounded beside the rows for the router
@@ -66,6 +78,9 @@ class SparseMoeBlock:
         of weight * expert(y), plus the gated shared expert where there is one.
         x [T, H] -> ([T, H], residual')."""
         y, router_input, residual = self.ops.add_rmsnorm_for_router(x, residual, norm_weight, self.eps)
+        if self.folded and self.ops.shared_expert_among_routed(y.shape[0], self.top_k, self.router.shape[0]):
+            return self.ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
+                                       self.renormalize, shared_expert=True), residual
         if self.shared_expert is None:
             return self._routed_experts(y, router_input), residual
         # The shared expert needs only y, so it runs beside the routed experts (on a GPU beside the
@@ -75,9 +90,9 @@ class SparseMoeBlock:
         return self.ops.mul_sigmoid(*shared.result, add_to=routed), residual
 
     def _routed_experts(self, y: Tensor, router_input: Tensor) -> Tensor:
-        """`Ops.sparse_moe` of the normed rows y [T, H] -> [T, H]."""
-        return self.ops.sparse_moe(y, router_input, self.router, self.gate_up_proj, self.down_proj, self.top_k,
-                                   self.renormalize)
+        """`Ops.sparse_moe` of the normed rows y [T, H] over the routed experts -> [T, H]."""
+        router, gate_up, down = self.routed
+        return self.ops.sparse_moe(y, router_input, router, gate_up, down, self.top_k, self.renormalize)
 
     def _shared_expert(self, y: Tensor) -> tuple[Tensor, Tensor]:
         """The shared SiLU expert's output [T, H] and its gate's logit [T, 1], before the sigmoid."""

@@ -64,6 +64,8 @@ def load_model(model_dir: str | Path, ops: Ops, report: Callable[[str], None] | 
     checkpoint = ((n, a) for n, a in stored if not n.endswith(_IGNORED_WEIGHT_SUFFIXES))
     renamed = rename_modules(checkpoint, model_class.renamed_modules)
     packed = stack_experts(pack_weights(renamed, model_class.packed_modules), config.num_experts)
+    if config.folds_shared_expert:
+        packed = fold_shared_expert(packed)
     weights = {name: ops.upload(array, ops.dtype) for name, array in model_class.prepare_weights(config, packed)}
     model = model_class(config, ops, weights)
     if weights:
@@ -105,6 +107,34 @@ def pack_weights(
             yield packed_name, np.concatenate(parts, axis=0)
     if pending:
         raise ValueError(f"checkpoint has only some parts of {sorted(pending)}")
+
+
+def fold_shared_expert(weights: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Append each `<prefix>.shared_expert.<module>.weight` [N, K] to the stacked
+    `<prefix>.experts.<module>` [E, N, K] as expert E, yielding `<prefix>.experts.<module>`
+    [E + 1, N, K] once both have arrived (ModelConfig.folds_shared_expert). The host holds a
+    layer's stacked experts twice while it copies them. Other weights pass through unchanged."""
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    for name, array in weights:
+        path = name.split(".")
+        if len(path) >= 3 and path[-3] == "shared_expert" and path[-1] == "weight":
+            stacked_name, part = ".".join([*path[:-3], "experts", path[-2]]), "shared"
+        elif len(path) >= 2 and path[-2] == "experts" and array.ndim == 3:
+            stacked_name, part = name, "experts"
+        else:
+            yield name, array
+            continue
+        parts = pending.setdefault(stacked_name, {})
+        parts[part] = array
+        if len(parts) == 2:
+            del pending[stacked_name]
+            experts, shared = parts["experts"], parts["shared"]
+            if shared.shape != experts.shape[1:]:
+                raise ValueError(f"the shared expert of {stacked_name!r} has shape {shared.shape}, the experts "
+                                 f"{experts.shape[1:]}")
+            yield stacked_name, np.concatenate([experts, shared[None].astype(experts.dtype, copy=False)])
+    if pending:
+        raise ValueError(f"checkpoint has the experts but not the shared expert (or the reverse) of {sorted(pending)}")
 
 
 def stack_experts(weights: Iterable[tuple[str, np.ndarray]], num_experts: int) -> Iterator[tuple[str, np.ndarray]]:

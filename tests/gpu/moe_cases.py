@@ -252,12 +252,14 @@ def check_alignment(result: dict[str, np.ndarray], expert_ids: np.ndarray, num_e
     np.testing.assert_array_equal(result["active_experts"][:active.size], active)
 
 
-def route_align_on_device(gpu, logits_dev, top_k: int, renormalize: bool):
-    """(weights, expert_ids, alignment arrays) from one moe_route_align call."""
+def route_align_on_device(gpu, logits_dev, top_k: int, renormalize: bool, shared: bool = False):
+    """(weights, expert_ids, alignment arrays) from one moe_route_align call (with `shared`, the
+    logits' last column a shared expert's gate: k + 1 pairs a token)."""
     num_tokens, num_experts = logits_dev.shape
-    weights, expert_ids = gpu.empty((num_tokens, top_k), DType.float32), gpu.empty((num_tokens, top_k), DType.int32)
-    alignment = poisoned_alignment(gpu, num_tokens * top_k, num_experts)
-    moe_routing.moe_route_align(weights, expert_ids, alignment, logits_dev, renormalize, gpu.stream)
+    columns = top_k + shared
+    weights, expert_ids = gpu.empty((num_tokens, columns), DType.float32), gpu.empty((num_tokens, columns), DType.int32)
+    alignment = poisoned_alignment(gpu, num_tokens * columns, num_experts)
+    moe_routing.moe_route_align(weights, expert_ids, alignment, logits_dev, renormalize, gpu.stream, shared)
     return gpu.download(weights), gpu.download(expert_ids), download_alignment(gpu, alignment)
 
 

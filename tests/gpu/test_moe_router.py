@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparkd.backend.cpu.moe import moe_route
+from sparkd.backend.cpu.moe import moe_route, route_with_shared_expert
 from sparkd.backend.cuda.kernels import moe_router
 from sparkd.backend.cuda.kernels.moe_routing import MoeAlignment
 from sparkd.backend.cuda.transfer import copy_to_device
@@ -62,16 +62,19 @@ class RouterCase:
     """router_input [T, K] (a column slice of a [T, K + 3 chunks] matrix) and router [E, K] on the
     device in `dtype`, their host copies as the device holds them, and the outputs' buffers."""
 
-    def __init__(self, gpu, rng, num_tokens: int, num_experts: int, top_k: int, width: int, dtype: str):
-        self.gpu, self.top_k, self.dtype = gpu, top_k, DType.parse(dtype)
+    def __init__(self, gpu, rng, num_tokens: int, num_experts: int, top_k: int, width: int, dtype: str,
+                 shared: bool = False):
+        """shared: the router has a row more, a shared expert's gate (Ops.sparse_moe's shared_expert)."""
+        self.gpu, self.top_k, self.dtype, self.shared = gpu, top_k, DType.parse(dtype), shared
         self.chunk = 16 // self.dtype.itemsize
+        rows, columns = num_experts + shared, top_k + shared
         self.wide = gpu.empty((num_tokens, width + 3 * self.chunk), self.dtype)
         self.router_input = self.wide.column_slice(self.chunk, width)
-        self.router = gpu.empty((num_experts, width), self.dtype)
-        self.router_logits = gpu.empty((num_tokens, num_experts), DType.float32)
-        self.weights = gpu.empty((num_tokens, top_k), DType.float32)
-        self.expert_ids = gpu.empty((num_tokens, top_k), DType.int32)
-        self.alignment = poisoned_alignment(gpu, num_tokens * top_k, num_experts)
+        self.router = gpu.empty((rows, width), self.dtype)
+        self.router_logits = gpu.empty((num_tokens, rows), DType.float32)
+        self.weights = gpu.empty((num_tokens, columns), DType.float32)
+        self.expert_ids = gpu.empty((num_tokens, columns), DType.int32)
+        self.alignment = poisoned_alignment(gpu, num_tokens * columns, rows)
         self.new_inputs(rng)
 
     def new_inputs(self, rng) -> None:
@@ -100,7 +103,7 @@ class RouterCase:
 
     def launch(self, renormalize: bool) -> None:
         moe_router.moe_router_route_align(self.weights, self.expert_ids, self.alignment, self.router_logits,
-                                          self.router_input, self.router, renormalize, self.gpu.stream)
+                                          self.router_input, self.router, renormalize, self.gpu.stream, self.shared)
 
     def check(self, rel_error, renormalize: bool) -> None:
         """The logits against float64; the routing against numpy on the device's logits and, bit for
@@ -109,13 +112,14 @@ class RouterCase:
         assert rel_error(logits, self.x @ self.w.T) <= LOGITS_TOLERANCE
         weights, expert_ids = self.gpu.download(self.weights), self.gpu.download(self.expert_ids)
         alignment = download_alignment(self.gpu, self.alignment)
-        expected_weights, expected_ids = moe_route(logits, self.top_k, renormalize)
+        route = route_with_shared_expert if self.shared else moe_route
+        expected_weights, expected_ids = route(logits, self.top_k, renormalize)
         np.testing.assert_array_equal(expert_ids, expected_ids)
         np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=WEIGHT_ATOL)
         check_alignment(alignment, expected_ids, self.router.shape[0])
 
         two_launch_weights, two_launch_ids, two_launch_alignment = route_align_on_device(
-            self.gpu, self.router_logits, self.top_k, renormalize)
+            self.gpu, self.router_logits, self.top_k, renormalize, self.shared)
         np.testing.assert_array_equal(weights, two_launch_weights)
         np.testing.assert_array_equal(expert_ids, two_launch_ids)
         for name, values in two_launch_alignment.items():  # both poisoned before their launch: all of it
@@ -144,6 +148,20 @@ def test_router_matches_numpy(gpu, rel_error, dtype, width, num_experts, top_k):
     rng = np.random.default_rng(num_experts * 10000 + top_k * 1000 + width)
     for num_tokens in sorted({1, 2, 3, 4, 32 // top_k} & set(range(1, 32 // top_k + 1))):
         case = RouterCase(gpu, rng, num_tokens, num_experts, top_k, width, dtype)
+        for renormalize in (False, True):
+            case.run_and_check(rel_error, renormalize)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (128, 8), (512, 10), (1023, 15)])
+def test_router_with_a_shared_expert_matches_numpy(gpu, rel_error, dtype, num_experts, top_k):
+    """A router row more, a shared expert's gate: the E + 1 logits, then route_with_shared_expert's
+    pairs and their alignment over E + 1 experts, at every T with T (k + 1) <= 32; (512, 10) is
+    Qwen3-Next's, whose last block routes with all its threads at T <= 7, and (1023, 15) the limits."""
+    rng = np.random.default_rng(num_experts * 100 + top_k)
+    for num_tokens in range(1, 32 // (top_k + 1) + 1):
+        case = RouterCase(gpu, rng, num_tokens, num_experts, top_k, 2048, dtype, shared=True)
         for renormalize in (False, True):
             case.run_and_check(rel_error, renormalize)
 

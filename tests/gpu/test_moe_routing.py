@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparkd.backend.cpu.moe import group_by_expert, moe_route
+from sparkd.backend.cpu.moe import group_by_expert, moe_route, route_with_shared_expert
 from sparkd.backend.cuda.kernels import moe_routing
 from sparkd.backend.cuda.transfer import copy_to_device
 from sparkd.backend.dtypes import DType, decode, encode
@@ -230,6 +230,26 @@ def test_route_align_matches_route_then_align(gpu, dtype, num_tokens, top_k, num
     block up to 16 tokens (the most pairs, 256, at k = 16); 17 and more take two launches."""
     rng = np.random.default_rng(num_tokens * 7 + top_k + num_experts)
     check_route_align(gpu, gpu.upload(separated_logits(rng, num_tokens, num_experts), dtype), top_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 10, 512), (2, 10, 512), (3, 8, 128), (16, 10, 512),
+                                                          (16, 15, 33), (40, 8, 128)])
+def test_route_align_with_a_shared_expert_matches_numpy(gpu, dtype, num_tokens, top_k, num_experts):
+    """Logits [T, E + 1] ending in a shared expert's gate: each token's k choices of the first E,
+    then expert E weighted sigmoid(its logit), aligned over E + 1 experts (route_with_shared_expert);
+    by one warp (T (k + 1) <= 32), one block (T <= 16, k + 1 = 16 the most) and two launches."""
+    rng = np.random.default_rng(num_tokens * 11 + top_k + num_experts)
+    gates = rng.uniform(-6, 6, (num_tokens, 1)).astype(np.float32)
+    logits_dev = gpu.upload(np.concatenate([separated_logits(rng, num_tokens, num_experts), gates], axis=1), dtype)
+    stored = gpu.download(logits_dev).astype(np.float32)
+    for renormalize in (False, True):
+        weights, expert_ids, result = route_align_on_device(gpu, logits_dev, top_k, renormalize, shared=True)
+        expected_weights, expected_ids = route_with_shared_expert(stored, top_k, renormalize)
+        np.testing.assert_array_equal(expert_ids, expected_ids)
+        np.testing.assert_allclose(weights, expected_weights, rtol=0, atol=WEIGHT_ATOL)
+        check_alignment(result, expected_ids, num_experts + 1)
 
 
 @pytest.mark.gpu

@@ -18,14 +18,18 @@ NUM_SLOTS = 8  # slots 0-3 for sequences, 4-6 for snapshots, 7 the graphs' paddi
 RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model_pair(tmp_path_factory, cuda_ops_factory):
+@pytest.fixture(scope="module", params=[40, 48], ids=["shared-expert-beside", "shared-expert-folded"])
+def model_pair(request, tmp_path_factory, cuda_ops_factory):
+    """(NumpyOps model, CudaOps fp32 model) of one tiny checkpoint; a shared expert of the routed
+    experts' width (48) is stacked as one more of them (ModelConfig.folds_shared_expert), and runs
+    among them in decode steps of few tokens, beside them (views of the stacks) in the others."""
     oracle = pytest.importorskip("oracle")
     from sparkd.backend.cpu.ops import NumpyOps
     from sparkd.models.registry import load_model
 
     path, _ = oracle.make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_next"), "Qwen3NextForCausalLM",
-                                          **oracle.tiny_hybrid_overrides(head_dim=64))
+                                          **oracle.tiny_hybrid_overrides(head_dim=64,
+                                                                         shared_expert_intermediate_size=request.param))
     return load_model(path, NumpyOps()), load_model(path, cuda_ops_factory("float32"))
 
 

@@ -51,6 +51,18 @@ def group_by_expert(expert_ids: np.ndarray, num_experts: int) -> tuple[np.ndarra
     return pairs, offsets
 
 
+def route_with_shared_expert(router_logits: np.ndarray, top_k: int,
+                             renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """router_logits [T, E + 1], the last column a shared expert's gate -> (weights, expert_ids)
+    [T, k + 1]: `moe_route` of the first E, then expert E, weighted sigmoid(its logit)."""
+    routed = router_logits.shape[-1] - 1
+    weights, expert_ids = moe_route(router_logits[:, :routed], top_k, renormalize)
+    gate = router_logits[:, routed:].astype(np.float32)
+    shared_weight = (np.float32(1) / (np.float32(1) + np.exp(-gate))).astype(np.float32)
+    return (np.concatenate([weights, shared_weight], axis=1),
+            np.concatenate([expert_ids, np.full_like(expert_ids[:, :1], routed)], axis=1))
+
+
 def moe_experts(
     x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, weights: np.ndarray, expert_ids: np.ndarray
 ) -> np.ndarray:

@@ -18,7 +18,7 @@ from ..linear_attention import LinearAttention
 from ..side_branch import in_order
 from . import gdn
 from .attention import AttentionPlan, paged_attention, plan_attention, write_kv
-from .moe import moe_experts, moe_route, silu_and_mul
+from .moe import moe_experts, moe_route, route_with_shared_expert, silu_and_mul
 from .sampler import sample
 
 
@@ -96,7 +96,9 @@ class NumpyOps(LinearAttention):  # its gated_delta_net: LinearAttention's compo
         y, residual = self.add_rmsnorm(x, residual, weight, eps)
         return y, y, residual  # float32 already
 
-    def router_weight(self, router: np.ndarray) -> np.ndarray:
+    def router_weight(self, router: np.ndarray, shared_gate: np.ndarray | None = None) -> np.ndarray:
+        if shared_gate is not None:
+            router = np.concatenate([router, shared_gate])
         return router.astype(np.float32, copy=False)
 
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
@@ -186,9 +188,13 @@ class NumpyOps(LinearAttention):  # its gated_delta_net: LinearAttention's compo
         return moe_experts(x, gate_up, down, weights, expert_ids)
 
     def sparse_moe(self, x: np.ndarray, router_input: np.ndarray, router: np.ndarray, gate_up: np.ndarray,
-                   down: np.ndarray, top_k: int, renormalize: bool) -> np.ndarray:
-        weights, expert_ids = self.moe_route(self.linear(router_input, router), top_k, renormalize)
+                   down: np.ndarray, top_k: int, renormalize: bool, shared_expert: bool = False) -> np.ndarray:
+        route = route_with_shared_expert if shared_expert else moe_route
+        weights, expert_ids = route(self.linear(router_input, router), top_k, renormalize)
         return self.moe_experts(x, gate_up, down, weights, expert_ids)
+
+    def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        return True
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return x + y

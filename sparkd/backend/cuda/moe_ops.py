@@ -18,13 +18,18 @@ from .tensor import DeviceTensor
 class MoeOps:
     """Mixed into CudaOps."""
 
-    def router_weight(self, router: DeviceTensor) -> DeviceTensor:
+    def router_weight(self, router: DeviceTensor, shared_gate: DeviceTensor | None = None) -> DeviceTensor:
         """[W | W] [E, 2H] in the model dtype beside add_rmsnorm_for_router's split rows (bf16 / fp16:
-        its products are exact in the fp32 accumulator); W itself in fp32."""
-        if router.dtype is DType.float32:
+        its products are exact in the fp32 accumulator); W itself in fp32. A shared_gate [1, H] is
+        appended to W first (row E)."""
+        if router.dtype is DType.float32 and shared_gate is None:
             return router
         weight = self.download(router)
-        return self.upload(np.concatenate([weight, weight], axis=1), router.dtype)
+        if shared_gate is not None:
+            weight = np.concatenate([weight, self.download(shared_gate)])
+        if router.dtype is not DType.float32:
+            weight = np.concatenate([weight, weight], axis=1)
+        return self.upload(weight, router.dtype)
 
     def moe_route(self, router_logits: DeviceTensor, top_k: int, renormalize: bool) -> tuple[DeviceTensor, DeviceTensor]:
         weights, expert_ids = self._routing_outputs(router_logits.shape[0], router_logits.shape[1], top_k)
@@ -41,31 +46,48 @@ class MoeOps:
         return self._aligned_experts(x, gate_up, down, weights, alignment)
 
     def sparse_moe(self, x: DeviceTensor, router_input: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
-                   down: DeviceTensor, top_k: int, renormalize: bool) -> DeviceTensor:
+                   down: DeviceTensor, top_k: int, renormalize: bool, shared_expert: bool = False) -> DeviceTensor:
         """The router GEMM (fp32 logits; in bf16 / fp16 [y | y_lo] @ [W | W]^T), the routing and its
         alignment, then `_aligned_experts`. A decode step's few pairs (T * k <= WARP_MAX_PAIRS) take
         one launch for all three (moe_router: a GEMV whose last block routes and aligns) wherever its
         16-byte loads can read the operands; more take the GEMM (on the tensor cores), then
-        moe_route_align."""
-        num_tokens, num_experts = x.shape[0], router.shape[0]
-        weights, expert_ids = self._routing_outputs(num_tokens, num_experts, top_k)
-        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * top_k, num_experts)
-        if (num_tokens * top_k <= moe_routing.WARP_MAX_PAIRS
+        moe_route_align. With shared_expert, each token's pairs end in the shared expert's (the
+        router's last row its gate), so the expert GEMMs run it with the routed ones."""
+        num_tokens, num_experts = x.shape[0], router.shape[0]  # router rows: the experts gate_up stacks
+        pairs_per_token = top_k + shared_expert
+        weights, expert_ids = self._routing_outputs(num_tokens, num_experts - shared_expert, top_k, shared_expert)
+        alignment = moe_routing.MoeAlignment.allocate(self.allocator, num_tokens * pairs_per_token, num_experts)
+        if (num_tokens * pairs_per_token <= moe_routing.WARP_MAX_PAIRS
                 and moe_router.unsupported_reason(router_input, router) is None):
             router_logits = self.allocator.empty((num_tokens, num_experts), DType.float32)
             moe_router.moe_router_route_align(weights, expert_ids, alignment, router_logits, router_input, router,
-                                              renormalize, self.stream)
+                                              renormalize, self.stream, shared_expert)
         else:
             router_logits = self.linear(router_input, router, out_dtype=np.float32)
-            moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream)
+            moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream,
+                                        shared_expert)
         return self._aligned_experts(x, gate_up, down, weights, alignment)
 
-    def _routing_outputs(self, num_tokens: int, num_experts: int, top_k: int) -> tuple[DeviceTensor, DeviceTensor]:
-        """weights [T, k] float32 and expert_ids [T, k] int32, for a valid top_k."""
+    def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        """Where the folded pairs still take the one-launch router (T * (k + 1) <= WARP_MAX_PAIRS)
+        and the GEMV-style expert GEMMs run the shared expert's T rows in one pass, it costs what
+        a routed expert does, and its three GEMVs and their gated add beside the router go. The
+        Qwen3-Next MoE block's graph time, among / beside (session 14): 0.92 at T = 1 and 2; 1.06
+        at T = 3, whose 33 folded pairs miss the one-launch router that the routed 30 take; 1.0-1.04
+        at T = 4-8; 1.07-1.20 at T >= 12, where its rows run kM at a time, each pass streaming its
+        weights again after the routed experts have finished."""
+        pairs = num_tokens * (top_k + 1)
+        return pairs <= moe_routing.WARP_MAX_PAIRS and num_tokens <= moe_gemm.expert_tile(pairs, num_experts)
+
+    def _routing_outputs(self, num_tokens: int, num_experts: int, top_k: int,
+                         shared_expert: bool = False) -> tuple[DeviceTensor, DeviceTensor]:
+        """weights [T, k] float32 and expert_ids [T, k] int32 (k + 1 columns with a shared expert's),
+        for a valid top_k of num_experts routed experts."""
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be between 1 and the number of experts ({num_experts}), got {top_k}")
-        return (self.allocator.empty((num_tokens, top_k), DType.float32),
-                self.allocator.empty((num_tokens, top_k), DType.int32))
+        columns = top_k + shared_expert
+        return (self.allocator.empty((num_tokens, columns), DType.float32),
+                self.allocator.empty((num_tokens, columns), DType.int32))
 
     def _aligned_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
                          alignment: moe_routing.MoeAlignment) -> DeviceTensor:

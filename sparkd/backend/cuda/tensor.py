@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,20 @@ class DeviceTensor:
             raise ValueError(f"rows {start}..{start + length} out of range for shape {self.shape}")
         ptr = self.ptr + start * self.row_stride * self.dtype.itemsize
         return DeviceTensor(ptr, (length, *self.shape[1:]), self.dtype, self.strides, self.owner)
+
+    def __getitem__(self, index: int | slice) -> "DeviceTensor":
+        """Along the first dim, as numpy indexes it, sharing memory: an int drops the dim (expert e
+        of a stacked [E, N, K]), a slice of unit step keeps it (`narrow`)."""
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.shape[0])
+            if step != 1:
+                raise ValueError(f"only unit-step slices view a DeviceTensor, got step {step}")
+            return self.narrow(start, max(stop - start, 0))
+        index = operator.index(index)
+        if not -self.shape[0] <= index < self.shape[0]:
+            raise IndexError(f"index {index} out of range for shape {self.shape}")
+        row = self.narrow(index % self.shape[0], 1)
+        return DeviceTensor(row.ptr, self.shape[1:], self.dtype, self.strides[1:], self.owner)
 
     def column_slice(self, start: int, length: int) -> "DeviceTensor":
         """Columns start .. start+length of the last dim of a 2-D tensor, sharing memory."""

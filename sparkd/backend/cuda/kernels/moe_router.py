@@ -70,11 +70,12 @@ def unsupported_reason(router_input: DeviceTensor, router: DeviceTensor) -> str 
 
 def moe_router_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: MoeAlignment,
                            router_logits: DeviceTensor, router_input: DeviceTensor, router: DeviceTensor,
-                           renormalize: bool, stream: Stream) -> None:
+                           renormalize: bool, stream: Stream, shared_expert: bool = False) -> None:
     """router_logits [T, E] float32 (contiguous) = router_input [T, K] @ router [E, K]^T, then
     weights [T, k] float32, expert_ids [T, k] int32 and `alignment` (sized for T*k pairs and E
-    experts) as moe_routing.moe_route_align makes them from those logits; one launch,
-    graph-capturable, for T * k <= WARP_MAX_PAIRS.
+    experts) as moe_routing.moe_route_align makes them from those logits (shared_expert as
+    there: router's last row is the shared expert's gate); one launch, graph-capturable, for
+    T * k <= WARP_MAX_PAIRS (k counting the shared expert's pair).
 
     router_input and router share a dtype (float32 / float16 / bfloat16); router_input's rows
     may be spaced (a column slice), router is contiguous; K and the row stride are whole
@@ -94,15 +95,16 @@ def moe_router_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alig
             f"router_logits must be [T={num_tokens}, E={num_experts}], got shape {router_logits.shape}")
     require_dtype("router_logits", router_logits, DType.float32)
     require_contiguous("router_logits", router_logits)
-    check_route_align(weights, expert_ids, alignment, router_logits)
-    top_k = weights.shape[1]
-    require(num_tokens * top_k <= WARP_MAX_PAIRS,
+    check_route_align(weights, expert_ids, alignment, router_logits, shared_expert)
+    pairs_per_token = weights.shape[1]
+    require(num_tokens * pairs_per_token <= WARP_MAX_PAIRS,
             f"moe_router routes at most {WARP_MAX_PAIRS} (token, expert) pairs, got T={num_tokens} * "
-            f"top_k={top_k} = {num_tokens * top_k}: run the router GEMM, then moe_route_align")
+            f"top_k={pairs_per_token - shared_expert}{' + 1' if shared_expert else ''} = "
+            f"{num_tokens * pairs_per_token}: run the router GEMM, then moe_route_align")
     reason = unsupported_reason(router_input, router)
     require(reason is None, reason)
     blocks, threads, warps_per_expert = router_grid(num_experts, k // (ACCESS_BYTES // router.dtype.itemsize))
     args = [weights, expert_ids, *alignment.outputs(), router_logits, router_input, router, i32(num_tokens),
-            i32(num_experts), i32(top_k), i32(k), np.int64(row_stride(router_input)), i32(warps_per_expert),
-            i32(bool(renormalize))]
+            i32(num_experts), i32(pairs_per_token - shared_expert), i32(k), np.int64(row_stride(router_input)),
+            i32(warps_per_expert), i32(bool(renormalize)), i32(bool(shared_expert))]
     get_kernel(_spec(router_input.dtype)).launch(blocks, threads, args, stream=stream)

@@ -83,18 +83,22 @@ SPECS = ([spec(dtype) for spec in (_route_spec, _route_align_spec, _route_align_
          + element_specs(_SOURCE, "moe_combine_kernel"))
 
 
-def _check_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor) -> None:
+def _check_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor,
+                 shared_expert: bool = False) -> None:
     require(router_logits.ndim == 2, f"router_logits must be [T, E], got shape {router_logits.shape}")
     require_dtype("router_logits", router_logits, *ELEMENT_TYPES)
     require(router_logits.strides[1] == 1 or router_logits.shape[1] == 1,
             f"router_logits needs unit column stride, got strides {router_logits.strides}")
-    num_tokens, num_experts = router_logits.shape
-    require(1 <= num_experts <= MAX_EXPERTS, f"moe_route handles 1 to {MAX_EXPERTS} experts, got E = {num_experts}")
+    num_tokens, columns = router_logits.shape
+    require(1 <= columns - shared_expert and columns <= MAX_EXPERTS,
+            f"moe_route handles 1 to {MAX_EXPERTS} experts, got E = {columns}"
+            + (" counting the shared expert" if shared_expert else ""))
+    num_experts = columns - shared_expert
     require(weights.ndim == 2 and weights.shape[0] == num_tokens,
-            f"weights must be [T={num_tokens}, top_k], got shape {weights.shape}")
-    top_k = weights.shape[1]
-    require(1 <= top_k <= min(num_experts, MAX_TOP_K),
-            f"top_k must be between 1 and min(E={num_experts}, {MAX_TOP_K}), got {top_k}")
+            f"weights must be [T={num_tokens}, top_k{' + 1' if shared_expert else ''}], got shape {weights.shape}")
+    top_k = weights.shape[1] - shared_expert
+    require(1 <= top_k <= min(num_experts, MAX_TOP_K - shared_expert),
+            f"top_k must be between 1 and min(E={num_experts}, {MAX_TOP_K - shared_expert}), got {top_k}")
     require(expert_ids.shape == weights.shape,
             f"expert_ids must be [T, top_k] = {weights.shape} like weights, got {expert_ids.shape}")
     require_dtype("weights", weights, DType.float32)
@@ -103,28 +107,33 @@ def _check_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits:
     require_contiguous("expert_ids", expert_ids)
 
 
-def _route_args(router_logits: DeviceTensor, top_k: int, renormalize: bool) -> list:
-    """The routing kernels' trailing arguments: logits, T, E, k, row stride, renormalize."""
-    num_tokens, num_experts = router_logits.shape
-    row_stride = router_logits.row_stride if num_tokens > 1 else num_experts
-    return [router_logits, i32(num_tokens), i32(num_experts), i32(top_k), np.int64(row_stride),
-            i32(bool(renormalize))]
+def _route_args(router_logits: DeviceTensor, top_k: int, renormalize: bool, shared_expert: bool) -> list:
+    """The routing kernels' trailing arguments: logits, T, E (the routed experts), k, row stride,
+    renormalize, shared."""
+    num_tokens, columns = router_logits.shape
+    row_stride = router_logits.row_stride if num_tokens > 1 else columns
+    return [router_logits, i32(num_tokens), i32(columns - shared_expert), i32(top_k), np.int64(row_stride),
+            i32(bool(renormalize)), i32(bool(shared_expert))]
 
 
 def moe_route(weights: DeviceTensor, expert_ids: DeviceTensor, router_logits: DeviceTensor, renormalize: bool,
-              stream: Stream) -> None:
+              stream: Stream, shared_expert: bool = False) -> None:
     """Each token's top-k experts: router_logits [T, E] (float32/float16/bfloat16, rows
     may be spaced) -> weights [T, k] float32, expert_ids [T, k] int32, both contiguous.
 
     fp32 softmax over E, the k largest probabilities in descending order, ties to
-    the lower expert id; with `renormalize` divided by their sum. E <= 1024, k <= 16."""
-    _check_route(weights, expert_ids, router_logits)
+    the lower expert id; with `renormalize` divided by their sum. E <= 1024, k <= 16.
+    With shared_expert, router_logits [T, E + 1] end in a shared expert's gate: each token's
+    k choices of the first E are followed by expert E, weighted sigmoid(logit E) (weights
+    and expert_ids [T, k + 1]; the twin of cpu.moe.route_with_shared_expert)."""
+    _check_route(weights, expert_ids, router_logits, shared_expert)
     num_tokens = router_logits.shape[0]
     if num_tokens == 0:
         return
+    top_k = weights.shape[1] - shared_expert
     get_kernel(_route_spec(router_logits.dtype)).launch(
         -(-num_tokens // _ROUTE_WARPS), 32 * _ROUTE_WARPS,
-        [weights, expert_ids, *_route_args(router_logits, weights.shape[1], renormalize)], stream=stream)
+        [weights, expert_ids, *_route_args(router_logits, top_k, renormalize, shared_expert)], stream=stream)
 
 
 def align_grid(num_pairs: int, num_experts: int) -> tuple[int, int]:
@@ -210,11 +219,11 @@ def moe_align(alignment: MoeAlignment, expert_ids: DeviceTensor, stream: Stream)
 
 
 def check_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: MoeAlignment,
-                      router_logits: DeviceTensor) -> None:
+                      router_logits: DeviceTensor, shared_expert: bool = False) -> None:
     """The operand rules of a routing with its alignment (moe_route_align, and moe_router's
     launch, which writes router_logits first): moe_route's, and `alignment` sized for the
-    T*k pairs of E experts."""
-    _check_route(weights, expert_ids, router_logits)
+    T*k pairs of E experts (with a shared expert, T*(k + 1) pairs of E + 1)."""
+    _check_route(weights, expert_ids, router_logits, shared_expert)
     num_tokens, num_experts = router_logits.shape
     num_pairs = num_tokens * weights.shape[1]
     require((alignment.num_pairs, alignment.num_experts) == (num_pairs, num_experts),
@@ -223,20 +232,21 @@ def check_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment
 
 
 def moe_route_align(weights: DeviceTensor, expert_ids: DeviceTensor, alignment: MoeAlignment,
-                    router_logits: DeviceTensor, renormalize: bool, stream: Stream) -> None:
-    """`moe_route` then `moe_align` of its expert_ids into `alignment` (sized for T*k pairs
-    and E experts), with the same results; in one launch up to WARP_MAX_PAIRS pairs or
-    FUSED_MAX_TOKENS tokens."""
-    check_route_align(weights, expert_ids, alignment, router_logits)
+                    router_logits: DeviceTensor, renormalize: bool, stream: Stream,
+                    shared_expert: bool = False) -> None:
+    """`moe_route` (shared_expert as there) then `moe_align` of its expert_ids into `alignment`
+    (sized for all the pairs and experts), with the same results; in one launch up to
+    WARP_MAX_PAIRS pairs or FUSED_MAX_TOKENS tokens."""
+    check_route_align(weights, expert_ids, alignment, router_logits, shared_expert)
     num_tokens = router_logits.shape[0]
-    top_k = weights.shape[1]
-    args = [weights, expert_ids, *alignment.outputs(), *_route_args(router_logits, top_k, renormalize)]
-    if num_tokens * top_k <= WARP_MAX_PAIRS:
+    top_k = weights.shape[1] - shared_expert
+    args = [weights, expert_ids, *alignment.outputs(), *_route_args(router_logits, top_k, renormalize, shared_expert)]
+    if alignment.num_pairs <= WARP_MAX_PAIRS:
         get_kernel(_route_align_warp_spec(router_logits.dtype)).launch(1, 32, args, stream=stream)
     elif num_tokens <= FUSED_MAX_TOKENS:
         get_kernel(_route_align_spec(router_logits.dtype)).launch(1, _FUSED_THREADS, args, stream=stream)
     else:
-        moe_route(weights, expert_ids, router_logits, renormalize, stream)
+        moe_route(weights, expert_ids, router_logits, renormalize, stream, shared_expert)
         moe_align(alignment, expert_ids, stream)
 
 
