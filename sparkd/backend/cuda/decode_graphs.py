@@ -38,7 +38,7 @@ from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
 from .decode_slots import SHORT_CONTEXT, DecodeSlots, plans_differ
 from .driver import DeviceLostError, call
-from .graphs import GraphCaptureError, GraphSlot, bucket_for, capture, default_buckets
+from .graphs import GraphCaptureError, GraphSlot, capture, default_buckets
 from .kernels.attention import recording_decode_launches
 from .memory import MemoryPool
 from .tensor import DeviceTensor
@@ -192,12 +192,12 @@ class DecodeGraphRunner:
         if not meta.is_decode_only:
             raise ValueError("DecodeGraphRunner runs decode-only steps; run mixed steps eagerly")
         batch = len(token_ids)
-        size = bucket_for(batch, self.buckets)
-        if size is not None and self.slots.pending(size):
-            failures = self._capture_bucket(forward, size)
+        slot = self.slots.for_step(batch, meta.seq_lens)
+        if slot is not None and self.slots.pending(slot.size):
+            failures = self._capture_bucket(forward, slot.size)
             if failures:
                 raise failures[0]
-        slot = self.slots.for_step(batch, meta.seq_lens)
+            slot = self.slots.for_step(batch, meta.seq_lens)  # the capture may have added a short slot
         if slot is None or slot.eager_only:
             inputs = self._eager_inputs(token_ids, positions, meta)
             if fill is not None:
