@@ -47,6 +47,7 @@ class FakeAllocator:
 class FakePinned:
     array: np.ndarray
     ptr: int = 0
+    device_ptr: int = 0
 
 
 class FakeStaging:
@@ -101,9 +102,9 @@ def fake_capture(stream: FakeStream, work):
 
 
 def patch_device(monkeypatch) -> None:
-    """Take the device out of decode_graphs (copies, memset, capture) and give the attention
-    plan an H200's numbers."""
-    for name in ("call", "copy_to_device", "copy_rows_to_device"):
+    """Take the device out of decode_graphs (memset, the inputs' upload, capture) and give the
+    attention plan an H200's numbers."""
+    for name in ("call", "upload_decode_step"):
         monkeypatch.setattr(decode_graphs, name, lambda *args: None)
     monkeypatch.setattr(decode_graphs, "capture", fake_capture)
     monkeypatch.setattr(attention, "current_device", H200Device)

@@ -12,8 +12,9 @@ import pytest
 
 from device_fakes import H200Device
 from graph_fakes import FakeGraphOps, LlamaForward, decode_step, patch_device
-from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner, DecodeLayout, stage_decode_inputs
+from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
 from sparkd.backend.cuda.decode_slots import DecodeSlots, plans_differ
+from sparkd.backend.cuda.decode_staging import DecodeLayout, stage_decode_inputs
 from sparkd.backend.cuda.graphs import GraphCaptureError, GraphSlot, default_buckets
 from sparkd.backend.cuda.kernels import attention
 from sparkd.backend.cuda.kernels.attention_plan import AttentionSizes

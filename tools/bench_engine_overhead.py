@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparkd.backend.base import SampledTokens, SamplerOutput, SamplingTensors  # noqa: E402
-from sparkd.backend.cuda.decode_graphs import DecodeLayout, stage_decode_inputs  # noqa: E402
+from sparkd.backend.cuda.decode_staging import DecodeLayout, stage_decode_inputs  # noqa: E402
 from sparkd.backend.cuda.graphs import bucket_for, default_buckets  # noqa: E402
 from sparkd.backend.cuda.kernels.sampling import host_inputs  # noqa: E402
 from sparkd.backend.cuda.transfer import pack_into, pack_layout  # noqa: E402
@@ -91,9 +91,9 @@ class HostDecodeGraphs:
     def capture_all(self, forward) -> None:
         pass  # nothing to capture: the stub replays no graph
 
-    def run(self, forward, token_ids, positions, meta, fill=None):
+    def run(self, forward, token_ids, positions, meta, drawn=None):
         layout = self.layouts[bucket_for(len(token_ids), self.buckets)]
-        stage_decode_inputs(self.slot, layout, token_ids, positions, meta)
+        stage_decode_inputs(self.slot, layout, token_ids, positions, meta, drawn=drawn)
         return np.arange(len(token_ids))
 
 
@@ -136,7 +136,7 @@ class StubOps:
         out = SamplerOutput(token_ids=self.corpus[rows % len(self.corpus)])
         return SampledTokens(out.token_ids.astype(np.int32), lambda: out)
 
-    def copy_drawn_tokens_(self, token_ids, rows, drawn, drawn_rows) -> None:
+    def copy_drawn_tokens_(self, token_ids, drawn) -> None:
         pass  # the stub forward reads no token ids
 
 

@@ -143,6 +143,18 @@ class SampledTokens:
     result: Callable[[], SamplerOutput]
 
 
+@dataclass(frozen=True)
+class DrawnTokens:
+    """A step's input ids that a step still in flight draws on the device:
+    token_ids[rows[i]] = ids[drawn_rows[i]].
+
+    rows, drawn_rows: [P] int32 host arrays; ids: [B'] int32 backend tensor (`SampledTokens.token_ids`)."""
+
+    rows: np.ndarray
+    ids: Tensor
+    drawn_rows: np.ndarray
+
+
 def column_ranges(width: int, widths: Sequence[int]) -> list[tuple[int, int]]:
     """`Ops.split_columns`' (start, stop) ranges of consecutive `widths` over `width` columns,
     or a ValueError when they do not add up to it."""
@@ -350,7 +362,5 @@ class Ops(Branching, LinearAttention, Protocol):
     def sample_async(self, logits: Tensor, params: SamplingTensors) -> SampledTokens:
         """`sample`, returning once the draw is enqueued."""
 
-    def copy_drawn_tokens_(self, token_ids: Tensor, rows: np.ndarray, drawn: Tensor, drawn_rows: np.ndarray) -> None:
-        """token_ids[rows[i]] = drawn[drawn_rows[i]]: a step's input ids that an earlier
-        step drew on the device. token_ids [T] int32, drawn [B'] int32, rows and
-        drawn_rows [P] int32 host arrays."""
+    def copy_drawn_tokens_(self, token_ids: Tensor, drawn: DrawnTokens) -> None:
+        """Put a step's input ids that an earlier step drew on the device into token_ids [T] int32."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend.base import AttentionMetadata, Ops, SampledTokens, SamplerOutput
+from ..backend.base import AttentionMetadata, DrawnTokens, Ops, SampledTokens, SamplerOutput
 from .block_table import PersistentBlockTable
 from .kv_cache_manager import slot_mapping
 from .outputs import TokenLogprob
@@ -185,17 +185,17 @@ class ModelRunner:
             inputs = prepare_inputs(scheduled, self.block_table, self.block_size, self.uses_state_slots)
             samplers = [scheduled[i].request for i in inputs.sample_rows]
             sampling = self.sampling_batch.tensors(samplers) if samplers else None
-            fill = self._drawn_token_fill(inputs, previous)
+            drawn = self._drawn_tokens(inputs, previous)
         with nvtx_range("forward"):
             if output.state_restores:  # hybrid prefix-cache hits start from their snapshots
                 src, dst = np.array(output.state_restores, np.int32).T
                 self.ops.copy_state_slots_(self.states, src, dst)
-            logits = self._forward(inputs, fill)
-        drawn = None
+            logits = self._forward(inputs, drawn)
+        sampled = None
         if logits is not None:
             with nvtx_range("sample"):
-                drawn = self.ops.sample_async(logits, sampling)
-        return LaunchedStep(len(scheduled), inputs.sample_rows, samplers, drawn,
+                sampled = self.ops.sample_async(logits, sampling)
+        return LaunchedStep(len(scheduled), inputs.sample_rows, samplers, sampled,
                             self.sampling_batch.reads_output_ids)
 
     def collect(self, step: LaunchedStep) -> list[SampledToken | None]:
@@ -216,28 +216,27 @@ class ModelRunner:
         """Launch and collect one step, with nothing in flight."""
         return self.collect(self.launch(output))
 
-    def _drawn_token_fill(self, inputs: StepInputs, previous: LaunchedStep | None):
-        """A function writing the placeholders' ids (drawn by `previous`) into the
-        step's device token ids, or None when the step has no placeholder."""
+    def _drawn_tokens(self, inputs: StepInputs, previous: LaunchedStep | None) -> DrawnTokens | None:
+        """Where the step's placeholder ids come from (`previous` draws them), or None
+        when the step has no placeholder."""
         if not inputs.pending_requests:
             return None
         if previous is None or previous.drawn is None:
             raise RuntimeError("a step has placeholder tokens but no step in flight draws them")
         row_of = {request: j for j, request in enumerate(previous.samplers)}
         drawn_rows = np.array([row_of[request] for request in inputs.pending_requests], np.int32)
-        drawn = previous.drawn.token_ids
-        return lambda token_ids: self.ops.copy_drawn_tokens_(token_ids, inputs.pending_rows, drawn, drawn_rows)
+        return DrawnTokens(inputs.pending_rows, previous.drawn.token_ids, drawn_rows)
 
-    def _forward(self, inputs: StepInputs, fill):
+    def _forward(self, inputs: StepInputs, drawn: DrawnTokens | None):
         """Logits [len(sample_rows), V] float32, or None when no sequence samples."""
         snapshots = inputs.attn.state_snapshots
         if self.decode_graphs is not None and inputs.is_decode and (snapshots is None or not len(snapshots)):
-            return self.decode_graphs.run(self.decode_forward, inputs.token_ids, inputs.positions, inputs.attn, fill)
+            return self.decode_graphs.run(self.decode_forward, inputs.token_ids, inputs.positions, inputs.attn, drawn)
         ops = self.ops
         attn = ops.prepare_attention(inputs.attn)
         token_ids = ops.upload(inputs.token_ids)
-        if fill is not None:
-            fill(token_ids)
+        if drawn is not None:
+            ops.copy_drawn_tokens_(token_ids, drawn)
         hidden = self.model.forward(token_ids, ops.upload(inputs.positions), attn, self.kv_caches)
         if not inputs.sample_rows:
             return None

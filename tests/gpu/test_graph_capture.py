@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from sparkd.backend.base import AttentionMetadata
-from sparkd.backend.cuda.decode_graphs import DecodeLayout, stage_decode_inputs
 from sparkd.backend.cuda.graphs import FAIL_CAPTURE_ENV, bucket_for, default_buckets
 from sparkd.backend.dtypes import DType
 
@@ -46,57 +45,6 @@ def test_default_buckets():
     assert default_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
     assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert bucket_for(3, [1, 2, 4, 8]) == 4 and bucket_for(9, [1, 2, 4, 8]) is None
-
-
-def device_image(layout, host, batch, width, region):
-    """What the runner's two H2D copies make of a bucket's region: the per-step bytes as
-    staged, then the step's [batch, width] block ids into rows max_blocks wide."""
-    start = layout.block_tables_offset
-    region[:start] = host[:start]
-    table = region[start:start + 4 * layout.size * layout.max_blocks].view(np.int32).reshape(layout.size, -1)
-    table[:batch, :width] = host[start:start + 4 * batch * width].view(np.int32).reshape(batch, width)
-    return [region[o:o + 4 * int(np.prod(s))].view(np.int32).reshape(s) for o, s in zip(layout.offsets, layout.shapes)]
-
-
-def test_staging_pads_the_rows_and_moves_only_the_steps_block_columns():
-    rng = np.random.default_rng(0)
-    layout = DecodeLayout.for_bucket(8, 5)
-    assert all(offset % 256 == 0 for offset in layout.offsets)
-    region = np.zeros(layout.total, np.uint8)  # zeroed at allocation, as the runner does
-    host = np.full(layout.staged_bytes(8, 5), 0x7F, np.uint8)  # a slot dirty from earlier steps
-    for batch in (6, 3):  # a smaller step after a larger one: what it leaves stale must not matter
-        positions, meta = decode_meta(rng, batch)
-        tokens = rng.integers(0, 100, batch).astype(np.int32)
-        stage_decode_inputs(host, layout, tokens, positions, meta)
-        token_ids, pos, seq_lens, slots, tables, _, _ = device_image(layout, host, batch, 3, region)
-        np.testing.assert_array_equal(token_ids[:batch], tokens)
-        np.testing.assert_array_equal(pos[:batch], positions)
-        np.testing.assert_array_equal(seq_lens[:batch], meta.seq_lens)
-        np.testing.assert_array_equal(slots[:batch], meta.slot_mapping)
-        np.testing.assert_array_equal(tables[:batch, :3], meta.block_tables)
-        assert (token_ids[batch:] == 0).all() and (pos[batch:] == 0).all()
-        assert (seq_lens[batch:] == 1).all() and (slots[batch:] == -1).all()
-        assert ((tables >= 0) & (tables < 50)).all()  # stale or zero: always a real block id
-    with pytest.raises(ValueError, match="does not fit"):
-        stage_decode_inputs(host, DecodeLayout.for_bucket(2, 5), tokens, positions, meta)
-    with pytest.raises(ValueError, match="does not fit"):
-        stage_decode_inputs(host, DecodeLayout.for_bucket(8, 2), tokens, positions, meta)
-
-
-def test_a_hybrid_layout_stages_state_slots_with_padding_rows_on_the_spare_slot():
-    """A hybrid model's bucket keeps state_slots among the per-step arrays (one copy still moves
-    them all) and a snapshot_start after the constants; the dense arrays keep their offsets."""
-    rng = np.random.default_rng(4)
-    dense, hybrid = DecodeLayout.for_bucket(8, 5), DecodeLayout.for_bucket(8, 5, with_state=True)
-    assert hybrid.per_step_names == ("token_ids", "positions", "seq_lens", "slot_mapping", "state_slots")
-    assert hybrid.names[-1] == "snapshot_start" and hybrid.shapes[-1] == (9,)
-    assert all(dense.offset(n) == hybrid.offset(n) for n in dense.per_step_names)
-    host = np.full(hybrid.staged_bytes(8, 5), 0x7F, np.uint8)
-    positions, meta = decode_meta(rng, 3)
-    meta.state_slots = np.array([5, 0, 2], np.int32)
-    stage_decode_inputs(host, hybrid, rng.integers(0, 100, 3).astype(np.int32), positions, meta, padding_state_slot=9)
-    offset = hybrid.offset("state_slots")
-    np.testing.assert_array_equal(host[offset:offset + 32].view(np.int32), [5, 0, 2, 9, 9, 9, 9, 9])
 
 
 # ---- on the device ----
@@ -141,6 +89,30 @@ def test_capture_then_replay_with_new_inputs(gpu, fake_forward):
             run_step(gpu, runner, fake_forward, rng, batch)
         assert fake_forward.calls == [4, 4, 2, 2, 1, 1]
         assert not gpu.stream.is_capturing()
+    finally:
+        runner.close()
+
+
+@pytest.mark.gpu
+def test_replays_take_the_ids_an_earlier_step_drew_on_the_device(gpu, fake_forward):
+    """Async scheduling: some rows' ids are still being drawn when the step is staged; the upload
+    puts them in from the device, on captures and replays alike."""
+    from sparkd.backend.base import DrawnTokens
+    from sparkd.backend.cuda.decode_graphs import DecodeGraphRunner
+
+    runner = DecodeGraphRunner(gpu, max_batch_size=8, max_blocks_per_seq=3, max_seq_len=12)
+    rng = np.random.default_rng(9)
+    try:
+        for batch, num_drawn in ((3, 2), (3, 3), (8, 8), (1, 1), (5, 0)):
+            positions, meta = decode_meta(rng, batch)
+            tokens = rng.integers(0, 100, size=batch).astype(np.int32)
+            drawn_ids = rng.integers(100, 200, size=6).astype(np.int32)
+            rows = rng.choice(batch, size=num_drawn, replace=False).astype(np.int32)
+            drawn = DrawnTokens(rows, gpu.upload(drawn_ids), rng.integers(0, 6, num_drawn).astype(np.int32))
+            logits = runner.run(fake_forward, tokens, positions, meta, drawn)
+            tokens[rows] = drawn_ids[drawn.drawn_rows]
+            np.testing.assert_array_equal(gpu.download(logits), expected_logits(tokens, positions, meta.seq_lens))
+        assert fake_forward.calls == [4, 4, 8, 8, 1, 1]  # bucket 8 replays for the step of 5
     finally:
         runner.close()
 

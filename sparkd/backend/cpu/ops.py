@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..base import (AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, column_ranges,
-                    pre_norm)
+from ..base import (AttentionMetadata, DrawnTokens, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors,
+                    column_ranges, pre_norm)
 from ..dtypes import DType
 from ..linear_attention import LinearAttention
 from ..side_branch import in_order
@@ -221,9 +221,8 @@ class NumpyOps(LinearAttention):  # its gated_delta_net: LinearAttention's compo
         out = sample(logits, params)
         return SampledTokens(out.token_ids.astype(np.int32), lambda: out)
 
-    def copy_drawn_tokens_(self, token_ids: np.ndarray, rows: np.ndarray, drawn: np.ndarray,
-                           drawn_rows: np.ndarray) -> None:
-        token_ids[rows] = drawn[drawn_rows]
+    def copy_drawn_tokens_(self, token_ids: np.ndarray, drawn: DrawnTokens) -> None:
+        token_ids[drawn.rows] = drawn.ids[drawn.drawn_rows]
 
 
 def _rope_cos_sin(positions: np.ndarray, rope: RopeConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -3,15 +3,11 @@
 Every bucket has a graph whose attention is planned for max_seq_len keys, and where that plan
 would split otherwise at SHORT_CONTEXT keys, one planned for that bound too, which serves the
 steps whose every context fits it (`DecodeSlots`). A bucket's graphs share its inputs, one
-static device region (`DecodeLayout`): they replay one at a time on one stream. Each step
-writes its inputs into a pinned staging slot laid out the same way and copies
-them over in two H2D copies: the per-sequence arrays, padded to the bucket, in
-one; in the other only the step's B x W part of the block table, a pitched copy
-into the first columns of the region's [bucket, max_blocks] table. So a step
-moves B x W block ids, not bucket x max_model_len / block_size (8 MB at 256
-sequences of 128k tokens). The constants (query_start_loc, logits_indices) are
-written once. Capturing a graph runs the forward once eagerly first (loading kernels,
-planning GEMMs, sizing the rope table), on padding rows; a bucket's full-length graph goes
+static device region (`DecodeLayout`, decode_staging.py): they replay one at a time on one
+stream. Each step stages its inputs in a pinned slot and one launch, before the replay, moves
+them into the region and puts in the ids an earlier step drew on the device. The constants
+(query_start_loc, logits_indices) are written once. Capturing a graph runs the forward once
+eagerly first (loading kernels, planning GEMMs, sizing the rope table), on padding rows; a bucket's full-length graph goes
 first, and its warm-up's decode attention launches decide whether it gets a short one. The
 engine captures every bucket's graphs at start-up (`capture_all`); a bucket not captured yet
 captures at its first step, which then replays a new graph. A graph that fails to capture
@@ -33,26 +29,20 @@ from typing import Callable
 import numpy as np
 from cuda.bindings import driver
 
-from ..base import AttentionMetadata
+from ..base import AttentionMetadata, DrawnTokens
 from ..dtypes import DType
 from .attention_metadata import CudaAttentionMetadata
 from .decode_slots import SHORT_CONTEXT, DecodeSlots, plans_differ
+from .decode_staging import DecodeLayout, stage_decode_inputs
 from .driver import DeviceLostError, call
 from .graphs import GraphCaptureError, GraphSlot, capture, default_buckets
 from .kernels.attention import recording_decode_launches
+from .kernels.decode_inputs import upload_decode_step
 from .memory import MemoryPool
 from .tensor import DeviceTensor
-from .transfer import copy_rows_to_device, copy_to_device, pack_layout
 
 log = logging.getLogger("sparkd.cuda.graphs")
 
-_INT32 = DType.int32.itemsize
-# The per-step arrays of every model, in layout order, and the value of their padding rows:
-# token 0 at position 0 with a context of 1, and no KV write. A hybrid model's state_slots
-# follow them (padding rows use the runner's padding_state_slot, fresh sequences that write a
-# slot no one reads).
-_PER_STEP = ("token_ids", "positions", "seq_lens", "slot_mapping")
-_PADDING = {"token_ids": 0, "positions": 0, "seq_lens": 1, "slot_mapping": -1}
 _NO_IDS = np.zeros(0, np.int32)
 _NO_SEQUENCES = AttentionMetadata(query_start_loc=np.zeros(1, np.int32), seq_lens=_NO_IDS,
                                   block_tables=np.zeros((0, 1), np.int32), slot_mapping=_NO_IDS,
@@ -74,77 +64,6 @@ class DecodeInputs:
 DecodeForward = Callable[[DecodeInputs], DeviceTensor]  # -> logits [B, V] float32
 
 
-@dataclass(frozen=True)
-class DecodeLayout:
-    """Byte offsets of a bucket's inputs, the same in its device region and its staging slot.
-
-    In order (int32): token_ids, positions, seq_lens, slot_mapping [size] each (and a hybrid
-    model's state_slots [size]); the per-step arrays, all before `block_tables_offset`, so one
-    copy moves them. Then block_tables [size, max_blocks], where the staging slot holds just
-    the step's [B, W] part, rows W wide. Then the constants query_start_loc [size + 1] and
-    logits_indices [size] (and a hybrid model's snapshot_start [size + 1]: zeros, decode steps
-    take no snapshots)."""
-
-    size: int
-    max_blocks: int
-    names: tuple[str, ...]
-    offsets: tuple[int, ...]
-    total: int
-
-    @classmethod
-    def for_bucket(cls, size: int, max_blocks: int, with_state: bool = False) -> DecodeLayout:
-        names = (_PER_STEP + (("state_slots",) if with_state else ()) + ("block_tables", "query_start_loc",
-                 "logits_indices") + (("snapshot_start",) if with_state else ()))
-        offsets, total = pack_layout([_INT32 * int(np.prod(_shape(name, size, max_blocks))) for name in names])
-        return cls(size, max_blocks, names, tuple(offsets), total)
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [_shape(name, self.size, self.max_blocks) for name in self.names]
-
-    def offset(self, name: str) -> int:
-        return self.offsets[self.names.index(name)]
-
-    @property
-    def per_step_names(self) -> tuple[str, ...]:
-        return self.names[: self.names.index("block_tables")]
-
-    @property
-    def block_tables_offset(self) -> int:
-        return self.offset("block_tables")
-
-    def staged_bytes(self, batch: int, width: int) -> int:
-        """Bytes of staging a step of `batch` sequences x `width` blocks fills."""
-        return self.block_tables_offset + _INT32 * batch * width
-
-
-def _shape(name: str, size: int, max_blocks: int) -> tuple[int, ...]:
-    return {"block_tables": (size, max_blocks), "query_start_loc": (size + 1,),
-            "snapshot_start": (size + 1,)}.get(name, (size,))
-
-
-def stage_decode_inputs(host: np.ndarray, layout: DecodeLayout, token_ids: np.ndarray, positions: np.ndarray,
-                        meta: AttentionMetadata, padding_state_slot: int = 0) -> None:
-    """Write a decode step of B sequences into `host` (uint8, at least
-    layout.staged_bytes(B, W)): token_ids, positions, seq_lens and slot_mapping (and
-    state_slots, whose padding rows get padding_state_slot) padded to layout.size rows,
-    then meta.block_tables [B, W] compact at block_tables_offset."""
-    batch, width = meta.block_tables.shape
-    if batch > layout.size or width > layout.max_blocks:
-        raise ValueError(f"a decode step of {batch} sequences x {width} blocks does not fit a bucket of "
-                         f"{layout.size} x {layout.max_blocks}")
-    values = {"token_ids": token_ids, "positions": positions, "seq_lens": meta.seq_lens,
-              "slot_mapping": meta.slot_mapping, "state_slots": meta.state_slots}
-    padding = {**_PADDING, "state_slots": padding_state_slot}
-    for name in layout.per_step_names:
-        offset = layout.offset(name)
-        column = host[offset : offset + _INT32 * layout.size].view(np.int32)
-        column[:batch] = values[name] if batch else []
-        column[batch:] = padding[name]
-    start = layout.block_tables_offset
-    host[start : start + _INT32 * batch * width].view(np.int32).reshape(batch, width)[:] = meta.block_tables
-
-
 @dataclass
 class _StaticInputs:
     """A bucket's device region, seen as its graphs' inputs."""
@@ -152,7 +71,7 @@ class _StaticInputs:
     region: DeviceTensor  # uint8 [layout.total]
     layout: DecodeLayout
     views: dict[str, DeviceTensor]  # int32, by DecodeLayout name
-    per_step: DeviceTensor  # uint8 view of the region's first block_tables_offset bytes
+    words: DeviceTensor  # int32 view of the whole region
 
     def inputs(self, max_seq_len: int) -> DecodeInputs:
         """The region as the inputs of a graph planned for contexts of up to max_seq_len keys."""
@@ -182,11 +101,11 @@ class DecodeGraphRunner:
         self._outputs: dict[tuple[int, int], DeviceTensor] = {}  # by (batch size, context bound)
 
     def run(self, forward: DecodeForward, token_ids: np.ndarray, positions: np.ndarray,
-            meta: AttentionMetadata, fill: Callable[[DeviceTensor], None] | None = None) -> DeviceTensor:
+            meta: AttentionMetadata, drawn: DrawnTokens | None = None) -> DeviceTensor:
         """Logits [B, V] of one decode step (one new token per sequence).
 
-        fill: writes the ids an earlier step drew on the device into the step's
-        device token_ids [>= B] int32, after the upload and before the forward.
+        drawn: the step's token ids an earlier step drew on the device (token_ids holds
+        anything at those rows), put in with the upload, before the forward.
         Raises GraphCaptureError when a graph of this step's bucket failed to capture now
         (the step does not run)."""
         if not meta.is_decode_only:
@@ -200,13 +119,10 @@ class DecodeGraphRunner:
             slot = self.slots.for_step(batch, meta.seq_lens)  # the capture may have added a short slot
         if slot is None or slot.eager_only:
             inputs = self._eager_inputs(token_ids, positions, meta)
-            if fill is not None:
-                fill(inputs.token_ids)
+            if drawn is not None:
+                self.ops.copy_drawn_tokens_(inputs.token_ids, drawn)
             return forward(inputs)
-        static = self._inputs[slot.size]
-        self._upload_step(static, token_ids, positions, meta)
-        if fill is not None:
-            fill(static.views["token_ids"])
+        self._upload_step(self._inputs[slot.size], token_ids, positions, meta, drawn)
         slot.graph.replay(self.ops.stream)
         slot.num_replays += 1
         return self._outputs[slot.size, slot.max_seq_len].narrow(0, batch)
@@ -242,15 +158,15 @@ class DecodeGraphRunner:
         return [failure for failure in failures if failure is not None]
 
     def _upload_step(self, static: _StaticInputs, token_ids: np.ndarray, positions: np.ndarray,
-                     meta: AttentionMetadata) -> None:
-        layout, stream = static.layout, self.ops.stream
+                     meta: AttentionMetadata, drawn: DrawnTokens | None = None) -> None:
+        """Stage a step in a pinned slot and enqueue the launch that moves it into the region."""
+        layout = static.layout
         batch, width = meta.block_tables.shape
-        start = layout.block_tables_offset
         with self.ops.staging.slot(layout.staged_bytes(batch, width)) as pinned:
-            stage_decode_inputs(pinned.array, layout, token_ids, positions, meta, self.padding_state_slot or 0)
-            copy_to_device(static.per_step, pinned.array[:start], stream)
-            copy_rows_to_device(static.region.ptr + start, _INT32 * layout.max_blocks, pinned.ptr + start,
-                                _INT32 * width, _INT32 * width, batch, stream)
+            stage_decode_inputs(pinned.array, layout, token_ids, positions, meta, self.padding_state_slot or 0, drawn)
+            upload_decode_step(static.words, pinned.device_ptr, layout.block_tables_offset // DType.int32.itemsize,
+                               layout.size, layout.max_blocks, batch, width, None if drawn is None else drawn.ids,
+                               self.ops.stream)
 
     def _static_inputs(self, size: int) -> _StaticInputs:
         if size not in self._inputs:
@@ -267,8 +183,8 @@ class DecodeGraphRunner:
                                      layout.names[layout.names.index("query_start_loc"):]], dest=constants)
             views = {name: DeviceTensor(region.ptr + offset, shape, DType.int32, None, region.owner)
                      for name, offset, shape in zip(layout.names, layout.offsets, layout.shapes)}
-            per_step = DeviceTensor(region.ptr, (layout.block_tables_offset,), DType.uint8, None, region.owner)
-            self._inputs[size] = _StaticInputs(region, layout, views, per_step)
+            words = DeviceTensor(region.ptr, (layout.total // DType.int32.itemsize,), DType.int32, None, region.owner)
+            self._inputs[size] = _StaticInputs(region, layout, views, words)
         return self._inputs[size]
 
     def _eager_inputs(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> DecodeInputs:

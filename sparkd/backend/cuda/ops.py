@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 import numpy as np
 from cuda.bindings import driver
 
-from ..base import AttentionMetadata, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors, pre_norm
+from ..base import (AttentionMetadata, DrawnTokens, RopeConfig, SampledTokens, SamplerOutput, SamplingTensors,
+                    pre_norm)
 from ..dtypes import DType, decode, encode
 from .attention_metadata import CudaAttentionMetadata
 from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
@@ -351,10 +352,9 @@ class CudaOps(MoeOps, DeltaNetOps):
             fault.launch_trap(self.stream)
         return sampling.sample_async(logits, params, self.staging, self.downloads, self.allocator, self.stream)
 
-    def copy_drawn_tokens_(self, token_ids: DeviceTensor, rows: np.ndarray, drawn: DeviceTensor,
-                           drawn_rows: np.ndarray) -> None:
-        pairs = self.upload(np.stack([rows, drawn_rows]).astype(np.int32))
-        embedding.copy_drawn_tokens(token_ids, drawn, pairs, self.stream)
+    def copy_drawn_tokens_(self, token_ids: DeviceTensor, drawn: DrawnTokens) -> None:
+        pairs = self.upload(np.stack([drawn.rows, drawn.drawn_rows]).astype(np.int32))
+        embedding.copy_drawn_tokens(token_ids, drawn.ids, pairs, self.stream)
 
     # ---- helpers ----
     def _rope_table(self, rope: RopeConfig, max_seq_len: int) -> DeviceTensor:

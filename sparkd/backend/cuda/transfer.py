@@ -38,12 +38,16 @@ def pack_into(host: np.ndarray, arrays: Sequence[np.ndarray], offsets: Sequence[
 
 
 class PinnedBuffer:
-    """Page-locked host memory; `.array` is a uint8 numpy view of all of it."""
+    """Page-locked host memory, mapped into the device's address space: `.array` is a uint8
+    numpy view of all of it, `.device_ptr` the address kernels read and write it through
+    (over PCIe; the host address itself under unified addressing)."""
 
     def __init__(self, nbytes: int):
         ensure_context()
         self.nbytes = nbytes
-        self.ptr = int(call(driver.cuMemHostAlloc, nbytes, driver.CU_MEMHOSTALLOC_PORTABLE))
+        flags = driver.CU_MEMHOSTALLOC_PORTABLE | driver.CU_MEMHOSTALLOC_DEVICEMAP
+        self.ptr = int(call(driver.cuMemHostAlloc, nbytes, flags))
+        self.device_ptr = int(call(driver.cuMemHostGetDevicePointer, self.ptr, 0))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
 
     def __del__(self):
@@ -59,25 +63,6 @@ def copy_to_device(dst: DeviceTensor, host: np.ndarray, stream: Stream) -> None:
         raise ValueError(f"cannot copy {host.nbytes} host bytes into {dst}")
     if dst.nbytes:
         call(driver.cuMemcpyHtoDAsync, dst.ptr, host.ctypes.data, dst.nbytes, stream.handle)
-
-
-def copy_rows_to_device(dst_ptr: int, dst_pitch: int, src_ptr: int, src_pitch: int, row_bytes: int,
-                        num_rows: int, stream: Stream) -> None:
-    """Asynchronous H2D of `num_rows` rows of `row_bytes` each, from pinned host memory, between
-    buffers whose rows lie `src_pitch` and `dst_pitch` bytes apart (e.g. a narrow host table
-    into the first columns of a wide device one)."""
-    if row_bytes > min(src_pitch, dst_pitch):
-        raise ValueError(f"rows of {row_bytes} bytes do not fit pitches {src_pitch} -> {dst_pitch}")
-    if not row_bytes or not num_rows:
-        return
-    params = driver.CUDA_MEMCPY2D()
-    params.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
-    params.srcHost, params.srcPitch = src_ptr, src_pitch
-    params.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
-    params.dstDevice, params.dstPitch = dst_ptr, dst_pitch
-    params.WidthInBytes = row_bytes
-    params.Height = num_rows
-    call(driver.cuMemcpy2DAsync, params, stream.handle)
 
 
 def copy_to_host(host: np.ndarray, src: DeviceTensor, stream: Stream) -> None:
@@ -165,8 +150,10 @@ class StagingRing:
 class DownloadRing:
     """Pinned slots for device results the host reads later (a step's sampled ids).
 
-    `copy_async` enqueues the D2H copy and returns a function that waits for it and
-    returns a private copy of the bytes. A slot is reused `num_slots` copies later;
+    `take` hands out the next slot for kernels to write through its mapping (no copy:
+    each D2H copy costs ~4 us of the stream whatever its size); `copy_async` copies a
+    device tensor into one. Either way a function comes back that waits for the writes
+    and returns a private copy of the bytes. A slot is reused `num_slots` takes later;
     the engine reads each result before enqueuing the step after next, so four
     slots leave room to spare."""
 
@@ -175,22 +162,33 @@ class DownloadRing:
         self._events = [Event() for _ in range(num_slots)]
         self._next = 0
 
+    def take(self, nbytes: int) -> tuple[DeviceTensor, Callable[[Stream], Callable[[], np.ndarray]]]:
+        """The next slot as a uint8 [nbytes] tensor at its device address, and `ready`: called
+        once the kernels that write it are enqueued on a stream, it returns () -> uint8 host
+        array of the slot's bytes, which waits for them."""
+        index = self._next
+        self._next = (index + 1) % len(self._slots)
+        if self._slots[index].nbytes < nbytes:
+            self._slots[index] = PinnedBuffer(max(nbytes, 2 * self._slots[index].nbytes))
+        slot, event = self._slots[index], self._events[index]
+
+        def ready(stream: Stream) -> Callable[[], np.ndarray]:
+            event.record(stream)
+
+            def wait() -> np.ndarray:
+                event.synchronize()
+                return slot.array[:nbytes].copy()
+
+            return wait
+
+        return DeviceTensor(slot.device_ptr, (nbytes,), DType.uint8, None, slot), ready
+
     def copy_async(self, src: DeviceTensor, stream: Stream) -> Callable[[], np.ndarray]:
         """src: contiguous device tensor -> () -> uint8 host array of its bytes."""
         if not src.is_contiguous:
             raise ValueError(f"cannot download the non-contiguous {src}")
-        index = self._next
-        self._next = (index + 1) % len(self._slots)
-        nbytes = src.nbytes
-        if self._slots[index].nbytes < nbytes:
-            self._slots[index] = PinnedBuffer(max(nbytes, 2 * self._slots[index].nbytes))
-        slot, event = self._slots[index], self._events[index]
-        if nbytes:
-            call(driver.cuMemcpyDtoHAsync, slot.ptr, src.ptr, nbytes, stream.handle)
-        event.record(stream)
-
-        def wait() -> np.ndarray:
-            event.synchronize()
-            return slot.array[:nbytes].copy()
-
-        return wait
+        slot, ready = self.take(src.nbytes)
+        if src.nbytes:
+            # Unified addressing tells the driver the slot's address is pinned host memory.
+            call(driver.cuMemcpyAsync, slot.ptr, src.ptr, src.nbytes, stream.handle)
+        return ready(stream)

@@ -5,7 +5,7 @@ Each module exposes `SPECS` (every template instantiation it may launch, which
 their preconditions, pick the instantiation and grid, and enqueue on a stream.
 Outputs are passed in preallocated, so launches can be captured in CUDA graphs.
 
-Modules: activation, attention, delta_net, delta_net_decode, embedding, gemv, gemv_norm, moe_gemm,
+Modules: activation, attention, decode_inputs, delta_net, delta_net_decode, embedding, gemv, gemv_norm, moe_gemm,
 moe_grouped_gemm, moe_grouped_wgmma, moe_router, moe_routing, norm, rope_kv, sampling (plus
 elementwise, owned by the runtime; fault, a test-only trap; and attention_plan, attention's decode split plan,
 which launches nothing and has no SPECS).

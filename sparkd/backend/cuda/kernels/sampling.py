@@ -13,11 +13,11 @@ Logprobs after a split draw come from a second, one-block-per-row launch.
 For CudaOps:
   sample_async(logits, params, staging, downloads, allocator, stream) -> SampledTokens
       the whole step: one H2D copy of the parameters, the sampling launch(es),
-      one D2H copy of the ids (and logprobs when params.num_logprobs >= 0) that
-      the caller waits for when it wants the results.
+      which write the ids (and logprobs when params.num_logprobs >= 0) into a
+      mapped download slot that the caller reads when it wants the results.
 The pieces, for callers that keep inputs in static buffers (graphs):
   upload_inputs(params, staging, dest=None) -> SamplingInputs
-  SamplerBuffers.allocate(allocator, num_rows, num_top)
+  SamplerBuffers.allocate(allocator, num_rows, num_top), or .over(storage, ...)
   launch_sample(out, logits, inputs, workspace, stream)
 """
 
@@ -177,23 +177,39 @@ class SamplerBuffers:
 
     @classmethod
     def allocate(cls, allocator: DeviceAllocator, num_rows: int, num_top: int) -> SamplerBuffers:
+        """Outputs in device memory, brought back by `download_async`."""
+        return cls.over(allocator.empty((cls.words(num_rows, num_top),), DType.int32), num_rows, num_top)
+
+    @staticmethod
+    def _shapes(num_rows: int, num_top: int) -> list[tuple[tuple[int, ...], DType]]:
         top = max(num_top, 0)
         shapes = [((num_rows,), DType.int32), ((num_rows,), DType.float32), ((num_rows,), DType.int32),
                   ((num_rows, top), DType.int32), ((num_rows, top), DType.float32)]
-        if num_top < 0:
-            shapes = shapes[:1]
-        storage = allocator.empty((sum(int(np.prod(shape)) for shape, _ in shapes),), DType.int32)
+        return shapes if num_top >= 0 else shapes[:1]
+
+    @classmethod
+    def words(cls, num_rows: int, num_top: int) -> int:
+        """The int32 words of the storage."""
+        return sum(int(np.prod(shape)) for shape, _ in cls._shapes(num_rows, num_top))
+
+    @classmethod
+    def over(cls, storage: DeviceTensor, num_rows: int, num_top: int) -> SamplerBuffers:
+        """The outputs as views of storage: int32 [words(num_rows, num_top)], anywhere the device
+        writes (device memory, or a mapped pinned slot the host reads without a copy)."""
         views, offset = [], 0
-        for shape, dtype in shapes:
+        for shape, dtype in cls._shapes(num_rows, num_top):
             views.append(DeviceTensor(storage.ptr + 4 * offset, shape, dtype, None, storage.owner))
             offset += int(np.prod(shape))
         views += [views[0]] * (5 - len(views))  # unused outputs; the kernel never touches them
         return cls(storage, *views, num_top=num_top)
 
     def download_async(self, downloads: DownloadRing, stream: Stream) -> SampledTokens:
-        """Enqueue the D2H copy; `.result()` waits for it. Ids come back as int64, as the
-        CPU sampler returns them."""
-        wait = downloads.copy_async(self.storage, stream)
+        """Enqueue the D2H copy of device-memory outputs; `.result()` waits for it."""
+        return self.results(downloads.copy_async(self.storage, stream))
+
+    def results(self, wait) -> SampledTokens:
+        """SampledTokens whose `.result()` parses what wait() -> uint8 host copy of the storage
+        returns. Ids come back as int64, as the CPU sampler returns them."""
         return SampledTokens(self.token_ids, lambda: self._parse(wait().view(np.int32)))
 
     def _parse(self, host: np.ndarray) -> SamplerOutput:
@@ -284,10 +300,14 @@ def _launch_row_per_block(out: SamplerBuffers, logits: DeviceTensor, inputs: Sam
 
 def sample_async(logits: DeviceTensor, params: SamplingTensors, staging: StagingRing, downloads: DownloadRing,
                  allocator: DeviceAllocator, stream: Stream) -> SampledTokens:
-    """`Ops.sample_async` on the device: logits [B, V] float32 -> SampledTokens, at once."""
+    """`Ops.sample_async` on the device: logits [B, V] float32 -> SampledTokens, at once.
+    The kernels write their outputs straight into a mapped download slot."""
     inputs = upload_inputs(params, staging)
     num_rows, vocab_size = logits.shape
-    out = SamplerBuffers.allocate(allocator, num_rows, num_top_logprobs(params.num_logprobs, vocab_size))
+    num_top = num_top_logprobs(params.num_logprobs, vocab_size)
+    words = SamplerBuffers.words(num_rows, num_top)
+    slot, ready = downloads.take(4 * words)
+    out = SamplerBuffers.over(DeviceTensor(slot.ptr, (words,), DType.int32, None, slot.owner), num_rows, num_top)
     workspace = allocator.empty(logits.shape, DType.float32) if needs_row_workspace(inputs, logits) else None
     launch_sample(out, logits, inputs, workspace, stream)
-    return out.download_async(downloads, stream)
+    return out.results(ready(stream))
