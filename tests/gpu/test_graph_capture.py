@@ -171,6 +171,31 @@ def test_capture_guard_survives_an_illegal_call_inside_the_capture(gpu):
 
 
 @pytest.mark.gpu
+def test_resources_released_while_capturing_wait_for_the_capture_to_end(gpu):
+    """Freeing pinned memory or destroying a stream synchronises the device, which would invalidate
+    the capture; the garbage collector may drop their last reference in the middle of one."""
+    from sparkd.backend.cuda.driver import Stream
+    from sparkd.backend.cuda.graphs import capture
+    from sparkd.backend.cuda.transfer import PinnedBuffer, copy_device
+
+    src = gpu.upload(np.arange(64, dtype=np.float32))
+    dst = gpu.empty((64,), DType.float32)
+    doomed = [PinnedBuffer(1 << 16), Stream()]
+
+    def work():
+        copy_device(dst, src, gpu.stream)
+        doomed.clear()  # their last references: released here, mid-capture
+        copy_device(dst, src, gpu.stream)
+
+    graph, _ = capture(gpu.stream, work)
+    try:
+        graph.replay(gpu.stream)
+        np.testing.assert_array_equal(gpu.download(dst), np.arange(64))
+    finally:
+        graph.destroy()
+
+
+@pytest.mark.gpu
 def test_a_captured_copy_replays_on_every_launch(gpu):
     from sparkd.backend.cuda.graphs import capture
     from sparkd.backend.cuda.transfer import copy_device, copy_to_device

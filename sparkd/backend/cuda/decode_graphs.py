@@ -7,12 +7,12 @@ static device region (`DecodeLayout`, decode_staging.py): they replay one at a t
 stream. Each step stages its inputs in a pinned slot and one launch, before the replay, moves
 them into the region and puts in the ids an earlier step drew on the device. The constants
 (query_start_loc, logits_indices) are written once. Capturing a graph runs the forward once
-eagerly first (loading kernels, planning GEMMs, sizing the rope table), on padding rows; a bucket's full-length graph goes
-first, and its warm-up's decode attention launches decide whether it gets a short one. The
-engine captures every bucket's graphs at start-up (`capture_all`); a bucket not captured yet
-captures at its first step, which then replays a new graph. A graph that fails to capture
-leaves its (batch size, context bound) slot eager from then on, and a step that was capturing
-raises GraphCaptureError.
+eagerly first (loading kernels, planning GEMMs, sizing the rope table), on padding rows; a
+bucket's full-length graph goes first, and its warm-up's decode attention launches decide
+whether it gets a short one. The engine captures every bucket's graphs at start-up
+(`capture_all`); a bucket not captured yet captures at its first step, which then replays a new
+graph. A graph that fails to capture leaves its (batch size, context bound) slot eager from
+then on, and a step that was capturing raises GraphCaptureError.
 
 Padding rows are harmless: token 0 at position 0, a negative slot (the KV write
 skips it), a context of 1, logits that nobody samples. Block-table entries a step

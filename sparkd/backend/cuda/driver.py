@@ -9,9 +9,11 @@ must stop, not retry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass
 from functools import cache
+from typing import Callable, Iterator
 
 from cuda.bindings import driver
 
@@ -156,6 +158,37 @@ def memory_info() -> tuple[int, int]:
     return call(driver.cuMemGetInfo)
 
 
+# Releasing some resources (cuMemFreeHost, cuStreamDestroy) synchronises the device, which
+# invalidates a stream capture in progress; and the garbage collector may drop an object's
+# last reference at any allocation, a capture's included. So while a capture runs
+# (`releases_held`), releases wait for it to end.
+_captures_in_progress = 0
+_held_releases: list[Callable[[], object]] = []
+
+
+def release(fn: Callable, *args) -> None:
+    """Call fn(*args), a resource's release, now or once no capture is in progress."""
+    if _captures_in_progress:
+        _held_releases.append(lambda: fn(*args))
+    else:
+        fn(*args)
+
+
+@contextlib.contextmanager
+def releases_held() -> Iterator[None]:
+    """Hold every `release` until the block (a capture) has ended."""
+    global _captures_in_progress
+    _captures_in_progress += 1
+    try:
+        yield
+    finally:
+        _captures_in_progress -= 1
+        if not _captures_in_progress:
+            held, _held_releases[:] = _held_releases[:], []
+            for fn in held:
+                fn()
+
+
 class Stream:
     """A non-blocking stream: it never synchronises with the legacy default stream."""
 
@@ -180,7 +213,7 @@ class Stream:
     def __del__(self):
         handle = getattr(self, "handle", None)
         if handle is not None:
-            driver.cuStreamDestroy(handle)
+            release(driver.cuStreamDestroy, handle)
 
 
 class Event:
@@ -222,7 +255,7 @@ class Event:
     def __del__(self):
         handle = getattr(self, "handle", None)
         if handle is not None:
-            driver.cuEventDestroy(handle)
+            release(driver.cuEventDestroy, handle)
 
 
 @cache

@@ -19,7 +19,7 @@ from typing import Callable, TypeVar
 
 from cuda.bindings import driver
 
-from .driver import CudaError, Stream, call
+from .driver import CudaError, Stream, call, releases_held
 
 log = logging.getLogger("sparkd.cuda.graphs")
 
@@ -59,16 +59,19 @@ def capture(stream: Stream, work: Callable[[], Result]) -> tuple[CudaGraph, Resu
     """Record what `work()` enqueues on `stream` into a graph, without running it.
 
     On any exception the capture is aborted (see module doc) and the exception
-    propagates; the stream can then run eager work as before."""
-    call(driver.cuStreamBeginCapture, stream.handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-    try:
-        result = work()
-        if os.environ.get(FAIL_CAPTURE_ENV, "0") not in ("", "0"):
-            _inject_failure(stream)
-    except BaseException:
-        abort_capture(stream)
-        raise
-    graph = call(driver.cuStreamEndCapture, stream.handle)
+    propagates; the stream can then run eager work as before. Resources whose last
+    reference dies meanwhile are released after it (`releases_held`)."""
+    with releases_held():
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        call(driver.cuStreamBeginCapture, stream.handle, mode)
+        try:
+            result = work()
+            if os.environ.get(FAIL_CAPTURE_ENV, "0") not in ("", "0"):
+                _inject_failure(stream)
+        except BaseException:
+            abort_capture(stream)
+            raise
+        graph = call(driver.cuStreamEndCapture, stream.handle)
     try:
         graph_exec = call(driver.cuGraphInstantiate, graph, 0)
     finally:

@@ -15,7 +15,7 @@ import numpy as np
 from cuda.bindings import driver
 
 from ..dtypes import DType
-from .driver import Event, Stream, call, ensure_context
+from .driver import Event, Stream, call, ensure_context, release
 from .memory import DeviceAllocator
 from .tensor import DeviceTensor, as_dtype
 
@@ -52,7 +52,7 @@ class PinnedBuffer:
 
     def __del__(self):
         if getattr(self, "ptr", 0):
-            driver.cuMemFreeHost(self.ptr)
+            release(driver.cuMemFreeHost, self.ptr)
 
 
 def copy_to_device(dst: DeviceTensor, host: np.ndarray, stream: Stream) -> None:

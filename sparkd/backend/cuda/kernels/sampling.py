@@ -2,23 +2,25 @@
 processing order, same Philox draws, so the chosen ids agree whenever no two
 candidates tie to within float rounding.
 
-Two kernels: small batches spread each row over many blocks
-(cukernels/sampling_split.cu, planned by `plan_split`), so that one row still
-uses the whole GPU; batches that fill it run one block per row
-(cukernels/sampling.cu). Both draw top-k / top-p rows from a short sorted list
+Greedy steps with nothing to process (temperature 0 everywhere, no penalty or
+ban: `is_plain_greedy`) take their own kernel (cukernels/sampling_greedy.cu),
+which reads no parameters, so none are uploaded. Otherwise two kernels: small
+batches spread each row over many blocks (cukernels/sampling_split.cu, planned
+by `plan_split`), so that one row still uses the whole GPU; batches that fill
+it run one block per row (cukernels/sampling.cu). Both draw top-k / top-p rows from a short sorted list
 of candidates (cukernels/sampling_candidates.cuh) when it fits in shared memory
 (ROW_CANDIDATES, SPLIT_CANDIDATES), else by radix descents over the whole row.
-Logprobs after a split draw come from a second, one-block-per-row launch.
+Logprobs after a split or greedy draw come from a second, one-block-per-row launch.
 
 For CudaOps:
   sample_async(logits, params, staging, downloads, allocator, stream) -> SampledTokens
-      the whole step: one H2D copy of the parameters, the sampling launch(es),
-      which write the ids (and logprobs when params.num_logprobs >= 0) into a
+      the whole step: one H2D copy of the parameters (none for a plain greedy
+      step), the sampling launch(es), which write the ids (and logprobs when params.num_logprobs >= 0) into a
       mapped download slot that the caller reads when it wants the results.
 The pieces, for callers that keep inputs in static buffers (graphs):
   upload_inputs(params, staging, dest=None) -> SamplingInputs
   SamplerBuffers.allocate(allocator, num_rows, num_top), or .over(storage, ...)
-  launch_sample(out, logits, inputs, workspace, stream)
+  launch_sample(out, logits, inputs, workspace, stream), or launch_greedy(out, logits, stream)
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from . import i32, require, require_contiguous, require_dtype, round_up
 _ROW_SPEC = KernelSpec("sampling.cu", "sample_kernel")
 _LOGPROBS_SPEC = KernelSpec("sampling.cu", "logprobs_kernel")
 _SPLIT_SPEC = KernelSpec("sampling_split.cu", "sample_split_kernel")
-SPECS = [_ROW_SPEC, _LOGPROBS_SPEC, _SPLIT_SPEC]
+_GREEDY_SPEC = KernelSpec("sampling_greedy.cu", "sample_greedy_kernel")
+SPECS = [_ROW_SPEC, _LOGPROBS_SPEC, _SPLIT_SPEC, _GREEDY_SPEC]
 _THREADS = 1024  # kThreads in sampling.cu
 _SPLIT_THREADS = 256  # kSplitThreads in sampling_split.cu
 MAX_TOP_LOGPROBS = 64  # kMaxTop in sampling.cu
@@ -53,6 +56,9 @@ MAX_VOCAB = 1 << 20  # fixed-point row masses (kMassScale in sampling_common.cuh
 # Ids per block of a split row: at least MIN_CHUNK (two per thread, or the barriers
 # cost more than the blocks save), at most MAX_CHUNK (the chunk sits in shared memory).
 MIN_CHUNK, MAX_CHUNK = 512, 4096
+_GREEDY_THREADS = 256  # kGreedyThreads in sampling_greedy.cu
+MAX_GREEDY_ROWS = 4096  # kMaxGreedyRows in sampling_greedy.cu
+GREEDY_CHUNK = 1024  # ids a greedy block takes at least: four loads a thread
 
 
 @dataclass(frozen=True)
@@ -153,10 +159,22 @@ def host_inputs(params: SamplingTensors) -> list[np.ndarray]:
     return arrays
 
 
+def _processes_logits(params: SamplingTensors) -> bool:
+    """Whether some row has a penalty or a banned id."""
+    return bool(np.any(params.repetition_penalty != 1) or np.any(params.presence_penalty != 0)
+                or np.any(params.frequency_penalty != 0) or np.any(params.banned_token_ids >= 0))
+
+
+def is_plain_greedy(params: SamplingTensors) -> bool:
+    """Whether every row takes its largest raw logit (temperature 0, nothing processed): then
+    `launch_greedy` draws the step, with no parameters on the device."""
+    return len(params.temperature) <= MAX_GREEDY_ROWS and not np.any(params.temperature != 0) \
+        and not _processes_logits(params)
+
+
 def upload_inputs(params: SamplingTensors, staging: StagingRing, dest: DeviceTensor | None = None) -> SamplingInputs:
     """One H2D copy of the step's sampling parameters (into `dest` if given, see StagingRing.upload)."""
-    needs_workspace = bool(np.any(params.repetition_penalty != 1) or np.any(params.presence_penalty != 0)
-                           or np.any(params.frequency_penalty != 0) or np.any(params.banned_token_ids >= 0))
+    needs_workspace = _processes_logits(params)
     arrays = staging.upload(host_inputs(params), dest=dest, dtypes=_ARRAY_DTYPES)
     return SamplingInputs(*arrays, needs_workspace=needs_workspace)
 
@@ -264,10 +282,34 @@ def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInp
     args = [out.token_ids, logits, i32(vocab_size), i32(plan.chunk), *_parameter_args(inputs)]
     get_kernel(_SPLIT_SPEC).launch((plan.splits, num_rows), _SPLIT_THREADS, args,
                                    shared_mem=_split_shared_bytes(plan.chunk), stream=stream)
+    _launch_logprobs(out, logits, stream)
+
+
+def launch_greedy(out: SamplerBuffers, logits: DeviceTensor, stream: Stream) -> None:
+    """Enqueue the plain greedy draw (`is_plain_greedy`) of logits [B, V] float32, B <=
+    MAX_GREEDY_ROWS: each row's largest logit, the lowest id among ties; logprobs after it
+    when out has them. Every row gets blocks of GREEDY_CHUNK ids or more, about two blocks an SM
+    in all. Capturable."""
+    require(logits.ndim == 2 and logits.dtype is DType.float32, f"logits must be [B, V] float32, got {logits}")
+    require_contiguous("logits", logits)
+    num_rows, vocab_size = logits.shape
+    require(num_rows <= MAX_GREEDY_ROWS, f"greedy draws take at most {MAX_GREEDY_ROWS} rows, got {num_rows}")
+    require(out.token_ids.shape == (num_rows,), f"outputs are for {out.token_ids.shape[0]} rows, logits have {num_rows}")
+    if num_rows == 0:
+        return
+    splits = max(1, min(math.ceil(vocab_size / GREEDY_CHUNK), math.ceil(2 * current_device().sm_count / num_rows)))
+    chunk = math.ceil(vocab_size / splits)
+    get_kernel(_GREEDY_SPEC).launch((math.ceil(vocab_size / chunk), num_rows), _GREEDY_THREADS,
+                                    [out.token_ids, logits, i32(vocab_size), i32(chunk)], stream=stream)
+    _launch_logprobs(out, logits, stream)
+
+
+def _launch_logprobs(out: SamplerBuffers, logits: DeviceTensor, stream: Stream) -> None:
+    """After a launch that drew out.token_ids only: their logprobs (of the raw logits), when out has them."""
     if out.num_top >= 0:
         get_kernel(_LOGPROBS_SPEC).launch(
-            num_rows, _THREADS, [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, logits,
-                                 i32(vocab_size), i32(out.num_top)], stream=stream)
+            logits.shape[0], _THREADS, [out.token_ids, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, logits,
+                                        i32(logits.shape[1]), i32(out.num_top)], stream=stream)
 
 
 def needs_row_workspace(inputs: SamplingInputs, logits: DeviceTensor, split: bool = True) -> bool:
@@ -302,12 +344,15 @@ def sample_async(logits: DeviceTensor, params: SamplingTensors, staging: Staging
                  allocator: DeviceAllocator, stream: Stream) -> SampledTokens:
     """`Ops.sample_async` on the device: logits [B, V] float32 -> SampledTokens, at once.
     The kernels write their outputs straight into a mapped download slot."""
-    inputs = upload_inputs(params, staging)
     num_rows, vocab_size = logits.shape
     num_top = num_top_logprobs(params.num_logprobs, vocab_size)
     words = SamplerBuffers.words(num_rows, num_top)
     slot, ready = downloads.take(4 * words)
     out = SamplerBuffers.over(DeviceTensor(slot.ptr, (words,), DType.int32, None, slot.owner), num_rows, num_top)
-    workspace = allocator.empty(logits.shape, DType.float32) if needs_row_workspace(inputs, logits) else None
-    launch_sample(out, logits, inputs, workspace, stream)
+    if is_plain_greedy(params):
+        launch_greedy(out, logits, stream)
+    else:
+        inputs = upload_inputs(params, staging)
+        workspace = allocator.empty(logits.shape, DType.float32) if needs_row_workspace(inputs, logits) else None
+        launch_sample(out, logits, inputs, workspace, stream)
     return out.results(ready(stream))
