@@ -172,8 +172,8 @@ def test_capture_guard_survives_an_illegal_call_inside_the_capture(gpu):
 
 @pytest.mark.gpu
 def test_resources_released_while_capturing_wait_for_the_capture_to_end(gpu):
-    """Freeing pinned memory or destroying a stream synchronises the device, which would invalidate
-    the capture; the garbage collector may drop their last reference in the middle of one."""
+    """Freeing pinned memory synchronises the device, which would invalidate the capture, and the
+    garbage collector may drop its last reference in the middle of one; a stream's waits too."""
     from sparkd.backend.cuda.driver import Stream
     from sparkd.backend.cuda.graphs import capture
     from sparkd.backend.cuda.transfer import PinnedBuffer, copy_device

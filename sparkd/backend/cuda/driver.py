@@ -158,10 +158,11 @@ def memory_info() -> tuple[int, int]:
     return call(driver.cuMemGetInfo)
 
 
-# Releasing some resources (cuMemFreeHost, cuStreamDestroy) synchronises the device, which
-# invalidates a stream capture in progress; and the garbage collector may drop an object's
-# last reference at any allocation, a capture's included. So while a capture runs
-# (`releases_held`), releases wait for it to end.
+# Freeing pinned host memory (cuMemFreeHost) synchronises the device, which invalidates a
+# stream capture in progress (seen on the H200; cuStreamDestroy did not), and the garbage
+# collector may drop an object's last reference at any allocation, a capture's included. So
+# while a capture runs (`releases_held`), releases wait for it to end: pinned buffers', and
+# streams' and events' too, which costs nothing.
 _captures_in_progress = 0
 _held_releases: list[Callable[[], object]] = []
 

@@ -6,17 +6,19 @@ Greedy steps with nothing to process (temperature 0 everywhere, no penalty or
 ban: `is_plain_greedy`) take their own kernel (cukernels/sampling_greedy.cu),
 which reads no parameters, so none are uploaded. Otherwise two kernels: small
 batches spread each row over many blocks (cukernels/sampling_split.cu, planned
-by `plan_split`), so that one row still uses the whole GPU; batches that fill
-it run one block per row (cukernels/sampling.cu). Both draw top-k / top-p rows from a short sorted list
-of candidates (cukernels/sampling_candidates.cuh) when it fits in shared memory
-(ROW_CANDIDATES, SPLIT_CANDIDATES), else by radix descents over the whole row.
-Logprobs after a split or greedy draw come from a second, one-block-per-row launch.
+by `plan_split`), so that one row still uses the whole GPU; batches that fill it
+run one block per row (cukernels/sampling.cu). Both draw top-k / top-p rows from
+a short sorted list of candidates (cukernels/sampling_candidates.cuh) when it
+fits in shared memory (ROW_CANDIDATES, SPLIT_CANDIDATES), else by radix descents
+over the whole row. Logprobs after a split or greedy draw come from a second,
+one-block-per-row launch.
 
 For CudaOps:
   sample_async(logits, params, staging, downloads, allocator, stream) -> SampledTokens
       the whole step: one H2D copy of the parameters (none for a plain greedy
-      step), the sampling launch(es), which write the ids (and logprobs when params.num_logprobs >= 0) into a
-      mapped download slot that the caller reads when it wants the results.
+      step), the sampling launch(es), which write the ids (and logprobs when
+      params.num_logprobs >= 0) into a mapped download slot that the caller
+      reads when it wants the results.
 The pieces, for callers that keep inputs in static buffers (graphs):
   upload_inputs(params, staging, dest=None) -> SamplingInputs
   SamplerBuffers.allocate(allocator, num_rows, num_top), or .over(storage, ...)
@@ -168,8 +170,8 @@ def _processes_logits(params: SamplingTensors) -> bool:
 def is_plain_greedy(params: SamplingTensors) -> bool:
     """Whether every row takes its largest raw logit (temperature 0, nothing processed): then
     `launch_greedy` draws the step, with no parameters on the device."""
-    return len(params.temperature) <= MAX_GREEDY_ROWS and not np.any(params.temperature != 0) \
-        and not _processes_logits(params)
+    return (len(params.temperature) <= MAX_GREEDY_ROWS and not np.any(params.temperature != 0)
+            and not _processes_logits(params))
 
 
 def upload_inputs(params: SamplingTensors, staging: StagingRing, dest: DeviceTensor | None = None) -> SamplingInputs:
