@@ -68,10 +68,9 @@ DecodeForward = Callable[[DecodeInputs], DeviceTensor]  # -> logits [B, V] float
 class _StaticInputs:
     """A bucket's device region, seen as its graphs' inputs."""
 
-    region: DeviceTensor  # uint8 [layout.total]
     layout: DecodeLayout
     views: dict[str, DeviceTensor]  # int32, by DecodeLayout name
-    words: DeviceTensor  # int32 view of the whole region
+    words: DeviceTensor  # int32 [layout.total / 4], the whole region
 
     def inputs(self, max_seq_len: int) -> DecodeInputs:
         """The region as the inputs of a graph planned for contexts of up to max_seq_len keys."""
@@ -184,7 +183,7 @@ class DecodeGraphRunner:
             views = {name: DeviceTensor(region.ptr + offset, shape, DType.int32, None, region.owner)
                      for name, offset, shape in zip(layout.names, layout.offsets, layout.shapes)}
             words = DeviceTensor(region.ptr, (layout.total // DType.int32.itemsize,), DType.int32, None, region.owner)
-            self._inputs[size] = _StaticInputs(region, layout, views, words)
+            self._inputs[size] = _StaticInputs(layout, views, words)
         return self._inputs[size]
 
     def _eager_inputs(self, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> DecodeInputs:

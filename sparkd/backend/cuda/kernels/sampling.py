@@ -264,14 +264,9 @@ def launch_sample(out: SamplerBuffers, logits: DeviceTensor, inputs: SamplingInp
     workspace: [B, V] float32 scratch for the penalised ids of the one-block-per-row
     kernel; may be None when `inputs.needs_workspace` is false or the launch splits
     (`needs_row_workspace`). Capturable: no host sync, no allocation."""
-    require(logits.ndim == 2, f"logits must be [B, V], got shape {logits.shape}")
-    require_dtype("logits", logits, DType.float32)
-    require_contiguous("logits", logits)
+    _check_draw(out, logits)
     num_rows, vocab_size = logits.shape
-    require(vocab_size <= MAX_VOCAB, f"logits must have at most {MAX_VOCAB} columns, got {vocab_size}")
     require(inputs.num_rows == num_rows, f"sampling inputs have {inputs.num_rows} rows, logits {num_rows}")
-    require(out.token_ids.shape == (num_rows,), f"outputs are for {out.token_ids.shape[0]} rows, logits have {num_rows}")
-    require(out.num_top <= min(vocab_size, MAX_TOP_LOGPROBS), f"num_top {out.num_top} exceeds min(V, {MAX_TOP_LOGPROBS})")
     for name in _ID_FIELDS:
         ids = getattr(inputs, name)
         require(ids.ndim == 2 and ids.shape[0] == num_rows, f"{name} must be [B={num_rows}, n], got {ids.shape}")
@@ -292,11 +287,9 @@ def launch_greedy(out: SamplerBuffers, logits: DeviceTensor, stream: Stream) -> 
     MAX_GREEDY_ROWS: each row's largest logit, the lowest id among ties; logprobs after it
     when out has them. Every row gets blocks of GREEDY_CHUNK ids or more, about two blocks an SM
     in all. Capturable."""
-    require(logits.ndim == 2 and logits.dtype is DType.float32, f"logits must be [B, V] float32, got {logits}")
-    require_contiguous("logits", logits)
+    _check_draw(out, logits)
     num_rows, vocab_size = logits.shape
     require(num_rows <= MAX_GREEDY_ROWS, f"greedy draws take at most {MAX_GREEDY_ROWS} rows, got {num_rows}")
-    require(out.token_ids.shape == (num_rows,), f"outputs are for {out.token_ids.shape[0]} rows, logits have {num_rows}")
     if num_rows == 0:
         return
     splits = max(1, min(math.ceil(vocab_size / GREEDY_CHUNK), math.ceil(2 * current_device().sm_count / num_rows)))
@@ -304,6 +297,17 @@ def launch_greedy(out: SamplerBuffers, logits: DeviceTensor, stream: Stream) -> 
     get_kernel(_GREEDY_SPEC).launch((math.ceil(vocab_size / chunk), num_rows), _GREEDY_THREADS,
                                     [out.token_ids, logits, i32(vocab_size), i32(chunk)], stream=stream)
     _launch_logprobs(out, logits, stream)
+
+
+def _check_draw(out: SamplerBuffers, logits: DeviceTensor) -> None:
+    """What every draw asks of logits [B, V] float32 (contiguous, V <= MAX_VOCAB) and of out."""
+    require(logits.ndim == 2, f"logits must be [B, V], got shape {logits.shape}")
+    require_dtype("logits", logits, DType.float32)
+    require_contiguous("logits", logits)
+    num_rows, vocab_size = logits.shape
+    require(vocab_size <= MAX_VOCAB, f"logits must have at most {MAX_VOCAB} columns, got {vocab_size}")
+    require(out.token_ids.shape == (num_rows,), f"outputs are for {out.token_ids.shape[0]} rows, logits have {num_rows}")
+    require(out.num_top <= min(vocab_size, MAX_TOP_LOGPROBS), f"num_top {out.num_top} exceeds min(V, {MAX_TOP_LOGPROBS})")
 
 
 def _launch_logprobs(out: SamplerBuffers, logits: DeviceTensor, stream: Stream) -> None:
