@@ -24,6 +24,7 @@
 // The routing's and the alignment's device functions live in moe_route.cuh and moe_align.cuh,
 // the one warp's in moe_route_align_warp.cuh.
 #include "moe_align.cuh"
+#include "moe_combine.cuh"
 #include "moe_route_align_warp.cuh"
 
 using namespace sparkd;
@@ -31,7 +32,6 @@ using namespace sparkd;
 constexpr int kRouteWarps = 4;            // tokens per routing block
 constexpr int kMaxFusedTokens = 16;       // moe_route_align_kernel's limit: one token per routing warp
 constexpr int kFusedThreads = 512;        // 16 routing warps; the first kRankWarps then rank
-constexpr int kCombineBatch = 8;          // rows a combine thread loads before it adds
 
 // ---- routing ----
 
@@ -174,29 +174,10 @@ __global__ void __launch_bounds__(32)
 
 // ---- combine ----
 
-// out [T, H] in T = sum over j = 0 .. k-1 of weights[t, j] * expert_out[row_of_pair[t * k + j], :],
-// expert_out [P, H] in T (the expert GEMMs' rounded rows), weights in fp32. Products and sums are
-// fp32, rounded separately (no FMA), in order of j, as the numpy twin computes them; only the
-// sum is rounded to T. Rows of -1 add nothing.
+// out [T, H] in T = combine_columns (moe_combine.cuh) rounded to T: the MoE block's output on its
+// own. add_rmsnorm's combine_add_rmsnorm_kernel (norm.cu) takes the same sums in the next norm.
 // Launch: grid (T, ceil(H / (W * blockDim.x))), each thread W consecutive columns; W is 1 or
 // 16 / sizeof(T), and then H % W == 0 and expert_out and out are 16-byte aligned.
-// Marks a loaded pack as changed here, so that its elements are widened to fp32 at their add,
-// not as soon as they arrive: ptxas otherwise holds a batch's bf16 rows as fp32 (96 registers
-// at W = 8, two blocks an SM; the 4096-token prefill's combine then ran at 0.70 of the copy rate,
-// run 45) where the packed rows need 64.
-template <typename T, int W>
-__device__ __forceinline__ void keep_packed(Pack<T, W>& pack) {
-  if constexpr (sizeof(pack) % 4 == 0) {
-    unsigned* words = reinterpret_cast<unsigned*>(&pack);
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(pack) / 4); ++i) asm volatile("" : "+r"(words[i]));
-  } else {
-    unsigned short* halves = reinterpret_cast<unsigned short*>(&pack);  // one 16-bit element
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(pack) / 2); ++i) asm volatile("" : "+h"(halves[i]));
-  }
-}
-
 template <typename T, int W>
 __global__ void moe_combine_kernel(T* __restrict__ out, const T* __restrict__ expert_out,
                                    const float* __restrict__ weights, const int* __restrict__ row_of_pair,
@@ -204,36 +185,7 @@ __global__ void moe_combine_kernel(T* __restrict__ out, const T* __restrict__ ex
   const int token = blockIdx.x;
   const int col = (blockIdx.y * blockDim.x + threadIdx.x) * W;
   if (col >= hidden) return;
-  float acc[W] = {};
-  for (int first = 0; first < top_k; first += kCombineBatch) {
-    // All of a batch's loads are in flight before the first add: at decode each one
-    // is a trip to L2, and k of them in sequence would be the kernel's whole time.
-    // The rows stay in T until their adds (keep_packed), which keeps fewer registers live
-    // while the loads are in flight.
-    int rows[kCombineBatch];
-    float batch_weights[kCombineBatch];
-    Pack<T, W> values[kCombineBatch];
-#pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) {
-      const int pair = token * top_k + first + i;
-      rows[i] = first + i < top_k ? row_of_pair[pair] : -1;
-      batch_weights[i] = first + i < top_k ? weights[pair] : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) {
-      if (rows[i] >= 0) {
-        values[i] = *reinterpret_cast<const Pack<T, W>*>(expert_out + static_cast<long long>(rows[i]) * hidden + col);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) {
-      if (rows[i] < 0) continue;
-      keep_packed(values[i]);
-#pragma unroll
-      for (int c = 0; c < W; ++c) {
-        acc[c] = __fadd_rn(acc[c], __fmul_rn(batch_weights[i], to_float(values[i].v[c])));
-      }
-    }
-  }
+  float acc[W];
+  combine_columns<T, W>(acc, expert_out, weights, row_of_pair, token, col, hidden, top_k);
   store_floats<W>(out + static_cast<long long>(token) * hidden + col, acc);
 }

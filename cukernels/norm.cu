@@ -2,18 +2,19 @@
 //
 //   rmsnorm:      out = x / sqrt(mean(x^2) + eps) * weight
 //   add_rmsnorm:  residual' = x + residual, in fp32; out = rmsnorm(residual'), and for a MoE
-//                 router optionally out_lo = the rounding error of out, in T as well
+//                 router optionally out_lo = the rounding error of out, in T as well; x stored,
+//                 or a MoE block's combine of its expert rows (combine_add_rmsnorm_kernel)
 //
 // The residual stream stays in fp32 whatever T is: each layer adds its bf16/fp16
 // output to it without rounding, so rounding errors do not pile up over the layers
 // (the first layer's residual, the embedding, may come in T). Per-head q/k norm is
 // the plain kernel over D-sized rows of a [T, H, D] view.
 //
-// Launch shape (both kernels): block = (threads_per_row, rows_per_block), one
+// Launch shape (every kernel): block = (threads_per_row, rows_per_block), one
 // row group of threads_per_row (a multiple of 32, at most 1024) per row;
 // grid = ceil(rows / rows_per_block). Each thread keeps its slice of the row in
 // registers (at most kMaxElemsPerThread values), so the row is read once.
-#include "common.cuh"
+#include "moe_combine.cuh"
 
 using namespace sparkd;
 
@@ -94,15 +95,45 @@ rmsnorm_kernel(T* __restrict__ out, const X* __restrict__ x, const T* __restrict
                                eps, valid, scratch);
 }
 
-// x: [rows, dim] in T; residual_in: [rows, dim] in R (T or float); residual_out: [rows, dim]
-// float, which may be residual_in itself (R = float: updated in place), so neither is
-// __restrict__; all three contiguous. out: [rows, dim] in T, row stride ld_out; out_lo: null,
-// or [rows, dim] in T at the same row stride (out's rounding error, for a MoE router).
-template <typename T, typename R, int kVec>
-__global__ void __launch_bounds__(1024)
-add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ out_lo, long long ld_out, float* residual_out,
-                   const R* residual_in, const T* __restrict__ x, const T* __restrict__ weight, int rows, int dim,
-                   float eps) {
+// add_rmsnorm's x rows, stored: [rows, dim] in T, contiguous.
+template <typename T>
+struct StoredRows {
+  const T* x;
+
+  template <int kVec>
+  __device__ __forceinline__ void load(int row, int col, int dim, float (&out)[kVec]) const {
+    load_floats<kVec>(x + static_cast<long long>(row) * dim + col, out);
+  }
+};
+
+// add_rmsnorm's x rows as a MoE block's output before its combine: row t is combine_columns
+// (moe_combine.cuh) of token t's k expert rows, rounded to T: the values moe_combine_kernel
+// stores, so the norm is the two launches' bit for bit.
+template <typename T>
+struct CombinedRows {
+  const T* expert_out;     // [P, dim]
+  const float* weights;    // [rows, k]
+  const int* row_of_pair;  // [P]
+  int top_k;
+
+  template <int kVec>
+  __device__ __forceinline__ void load(int row, int col, int dim, float (&out)[kVec]) const {
+    float acc[kVec];
+    combine_columns<T, kVec>(acc, expert_out, weights, row_of_pair, row, col, dim, top_k);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = to_float(from_float<T>(acc[i]));
+  }
+};
+
+// The body of both add_rmsnorm kernels, x rows from `x` (StoredRows or CombinedRows).
+// residual_in: [rows, dim] in R (T or float); residual_out: [rows, dim] float, which may be
+// residual_in itself (R = float: updated in place), so neither is __restrict__; both
+// contiguous. out: [rows, dim] in T, row stride ld_out; out_lo: null, or [rows, dim] in T at the
+// same row stride (out's rounding error, for a MoE router).
+template <typename T, typename R, int kVec, typename Rows>
+__device__ __forceinline__ void add_rmsnorm_rows(T* __restrict__ out, T* __restrict__ out_lo, long long ld_out,
+                                                 float* residual_out, const R* residual_in, const Rows& x,
+                                                 const T* __restrict__ weight, int rows, int dim, float eps) {
   __shared__ float scratch[32 * 32];
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
@@ -114,8 +145,8 @@ add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ out_lo, long long ld_out
     const int col = RowSlice<kVec>::offset(k);
     if (!valid || col >= dim) break;
     float a[kVec], b[kVec];
-    load_floats<kVec>(x + base + col, a);
-    load_floats<kVec>(residual_in + base + col, b);
+    load_floats<kVec>(residual_in + base + col, b);  // first: x's rows may be a combine's dependent loads
+    x.template load<kVec>(row, col, dim, a);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) slice.v[k][i] = a[i] + b[i];
     store_floats<kVec>(residual_out + base + col, slice.v[k]);
@@ -124,4 +155,32 @@ add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ out_lo, long long ld_out
   const long long out_row = static_cast<long long>(row) * ld_out;
   normalize_and_store<T, kVec>(out + out_row, out_lo != nullptr ? out_lo + out_row : nullptr, slice, sum_sq, weight,
                                dim, eps, valid, scratch);
+}
+
+// x: [rows, dim] in T; the rest as add_rmsnorm_rows.
+template <typename T, typename R, int kVec>
+__global__ void __launch_bounds__(1024)
+add_rmsnorm_kernel(T* __restrict__ out, T* __restrict__ out_lo, long long ld_out, float* residual_out,
+                   const R* residual_in, const T* __restrict__ x, const T* __restrict__ weight, int rows, int dim,
+                   float eps) {
+  add_rmsnorm_rows<T, R, kVec>(out, out_lo, ld_out, residual_out, residual_in, StoredRows<T>{x}, weight, rows, dim,
+                               eps);
+}
+
+// Threads a combine_add_rmsnorm row may have: with a batch of expert rows in flight besides its
+// row slice, a thread needs more than the 64 registers of a 1024-thread block (it spilled there).
+constexpr int kCombineNormThreads = 512;
+
+// add_rmsnorm_kernel with x the MoE combine of expert_out [P, dim] in T by weights [rows, k]
+// float32 and row_of_pair [P] (CombinedRows): a MoE layer's output, added in the next layer's
+// norm without being stored. kVec > 1: expert_out 16-byte aligned. No out_lo: the norm after a
+// MoE block feeds the next layer's attention or delta net, not a router.
+template <typename T, typename R, int kVec>
+__global__ void __launch_bounds__(kCombineNormThreads, 1)
+combine_add_rmsnorm_kernel(T* __restrict__ out, long long ld_out, float* residual_out, const R* residual_in,
+                           const T* __restrict__ expert_out, const float* __restrict__ weights,
+                           const int* __restrict__ row_of_pair, int top_k, const T* __restrict__ weight, int rows,
+                           int dim, float eps) {
+  add_rmsnorm_rows<T, R, kVec>(out, nullptr, ld_out, residual_out, residual_in,
+                               CombinedRows<T>{expert_out, weights, row_of_pair, top_k}, weight, rows, dim, eps);
 }

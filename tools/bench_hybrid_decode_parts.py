@@ -93,14 +93,13 @@ def main() -> int:
         ("  out_proj", lambda: ops.linear(core, mixer.out_proj), mixer.out_proj.nbytes, 1),
         ("MoE block, norm to shared expert", lambda: moe.forward(x, residual, layer.post_attention_layernorm),
          router_bytes + config.num_experts_per_tok * expert_bytes + shared_bytes, None),
-        ("  routed experts (sparse_moe)" + (", the shared one among them" if folded else ""),
+        ("  routed experts (sparse_moe, combined in the next norm)" + (", the shared one among them" if folded else ""),
          lambda: ops.sparse_moe(y, router_input, moe.router, moe.gate_up_proj, moe.down_proj, moe.top_k,
                                 moe.renormalize, folded),
          router_bytes + routed_pairs * expert_bytes, None),
         ("    router, routing, alignment", route, router_bytes, 1),
-        ("    experts: gate_up, down, combine", lambda: ops._aligned_experts(y, moe.gate_up_proj, moe.down_proj,
-                                                                          *routed),
-         routed_pairs * expert_bytes, 3),
+        ("    experts: gate_up, down", lambda: ops._aligned_experts(y, moe.gate_up_proj, moe.down_proj, *routed),
+         routed_pairs * expert_bytes, 2),
     ]
     if not folded:
         parts.append(("  shared expert, its gate, the add", shared_expert, shared_bytes, 4))

@@ -336,7 +336,10 @@ class Ops(Branching, LinearAttention, Protocol):
         sigmoid(its gate logit) (cpu.moe.route_with_shared_expert).
         That composition is the reference (NumpyOps); a GPU routes and aligns the pairs
         for its grouped GEMMs in one launch. Each expert's output row is rounded to x's
-        dtype before the fp32 weighted sum, as in `moe_experts`."""
+        dtype before the fp32 weighted sum, as in `moe_experts`. A backend may return the sum
+        still to be taken, as a value its ops that read a sublayer's output accept
+        (`add_rmsnorm` and the pre-norm products, `add`, `mul_sigmoid`'s add_to): CUDA sums the
+        rows in the next layer's norm."""
 
     def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
         """Whether a step of T tokens runs a shared expert of the routed experts' shape as one of

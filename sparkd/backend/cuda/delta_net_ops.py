@@ -20,11 +20,12 @@ from ..linear_attention import LinearAttention
 from .attention_metadata import CudaAttentionMetadata
 from .driver import call
 from .kernels import delta_net, delta_net_decode
+from .moe_ops import ExpertSum
 from .tensor import DeviceTensor
 
 
 class DeltaNetOps(LinearAttention):
-    """Mixed into CudaOps: needs self.allocator, self.stream and self.zeros."""
+    """Mixed into CudaOps: needs self.allocator, self.stream, self.zeros and (MoeOps) self.combined."""
 
     def allocate_linear_attention_state(self, num_layers: int, num_slots: int, conv_dim: int, conv_width: int,
                                         num_v_heads: int, k_dim: int, v_dim: int, state_dtype: DType = DType.float32
@@ -44,9 +45,10 @@ class DeltaNetOps(LinearAttention):
     def split_columns(self, x: DeviceTensor, widths: Sequence[int]) -> list[DeviceTensor]:
         return [x.column_slice(lo, hi - lo) for lo, hi in column_ranges(x.shape[1], widths)]
 
-    def mul_sigmoid(self, x: DeviceTensor, gate: DeviceTensor, add_to: DeviceTensor | None = None) -> DeviceTensor:
+    def mul_sigmoid(self, x: DeviceTensor, gate: DeviceTensor, add_to: DeviceTensor | ExpertSum | None = None
+                    ) -> DeviceTensor:
         out = self.allocator.empty(x.shape, x.dtype)
-        delta_net.mul_sigmoid(out, x, gate, self.stream, add_to)
+        delta_net.mul_sigmoid(out, x, gate, self.stream, None if add_to is None else self.combined(add_to))
         return out
 
     def causal_conv1d_silu(self, x: DeviceTensor, weight: DeviceTensor, conv_state: DeviceTensor,

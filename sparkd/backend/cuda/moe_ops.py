@@ -8,11 +8,34 @@ download, upload and linear.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..dtypes import DType
 from .kernels import moe_gemm, moe_grouped_gemm, moe_grouped_wgmma, moe_router, moe_routing
 from .tensor import DeviceTensor
+
+
+@dataclass(frozen=True)
+class ExpertSum:
+    """What `MoeOps.sparse_moe` returns: the MoE block's output [T, H] before its combine, as its
+    (token, expert) pairs' rows expert_out [P, H] (model dtype), weights [T, k] float32 and
+    row_of_pair [P] int32. The next layer's input norm sums them itself (`CudaOps.add_rmsnorm`:
+    norm.combine_add_rmsnorm), which saves a launch at every MoE layer; any other op that takes
+    the block's output gets them combined first (`MoeOps.combined`)."""
+
+    expert_out: DeviceTensor
+    weights: DeviceTensor
+    row_of_pair: DeviceTensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weights.shape[0], self.expert_out.shape[1]
+
+    @property
+    def dtype(self) -> DType:
+        return self.expert_out.dtype
 
 
 class MoeOps:
@@ -43,16 +66,25 @@ class MoeOps:
             raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T, k]")
         alignment = moe_routing.MoeAlignment.allocate(self.allocator, expert_ids.numel, gate_up.shape[0])
         moe_routing.moe_align(alignment, expert_ids, self.stream)
-        return self._aligned_experts(x, gate_up, down, weights, alignment)
+        return self.combined(self._aligned_experts(x, gate_up, down, weights, alignment))
+
+    def combined(self, x: DeviceTensor | ExpertSum) -> DeviceTensor:
+        """x itself, or an ExpertSum's rows combined in token order: [T, H] in their dtype."""
+        if not isinstance(x, ExpertSum):
+            return x
+        out = self.allocator.empty(x.shape, x.dtype)
+        moe_routing.moe_combine(out, x.expert_out, x.weights, x.row_of_pair, self.stream)
+        return out
 
     def sparse_moe(self, x: DeviceTensor, router_input: DeviceTensor, router: DeviceTensor, gate_up: DeviceTensor,
-                   down: DeviceTensor, top_k: int, renormalize: bool, shared_expert: bool = False) -> DeviceTensor:
+                   down: DeviceTensor, top_k: int, renormalize: bool, shared_expert: bool = False) -> ExpertSum:
         """The router GEMM (fp32 logits; in bf16 / fp16 [y | y_lo] @ [W | W]^T), the routing and its
         alignment, then `_aligned_experts`. A decode step's few pairs (T * k <= WARP_MAX_PAIRS) take
         one launch for all three (moe_router: a GEMV whose last block routes and aligns) wherever its
         16-byte loads can read the operands; more take the GEMM (on the tensor cores), then
         moe_route_align. With shared_expert, each token's pairs end in the shared expert's (the
-        router's last row its gate), so the expert GEMMs run it with the routed ones."""
+        router's last row its gate), so the expert GEMMs run it with the routed ones. The rows
+        are left for the op after the block to combine (ExpertSum)."""
         num_tokens, num_experts = x.shape[0], router.shape[0]  # router rows: the experts gate_up stacks
         pairs_per_token = top_k + shared_expert
         weights, expert_ids = self._routing_outputs(num_tokens, num_experts - shared_expert, top_k, shared_expert)
@@ -66,7 +98,7 @@ class MoeOps:
             router_logits = self.linear(router_input, router, out_dtype=np.float32)
             moe_routing.moe_route_align(weights, expert_ids, alignment, router_logits, renormalize, self.stream,
                                         shared_expert)
-        return self._aligned_experts(x, gate_up, down, weights, alignment)
+        return ExpertSum(self._aligned_experts(x, gate_up, down, weights, alignment), weights, alignment.row_of_pair)
 
     def shared_expert_among_routed(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
         """Where the folded pairs still take the one-launch router (T * (k + 1) <= WARP_MAX_PAIRS)
@@ -91,15 +123,15 @@ class MoeOps:
 
     def _aligned_experts(self, x: DeviceTensor, gate_up: DeviceTensor, down: DeviceTensor, weights: DeviceTensor,
                          alignment: moe_routing.MoeAlignment) -> DeviceTensor:
-        """The selected experts' GEMMs (SiLU fused into gate_up) on their rows only, combined back in
-        token order. The expert GEMMs are picked on the host from shapes alone: with bf16/fp16 and at
-        least MIN_ROWS_PER_EXPERT rows per expert on average (prefill), the tensor-core grouped GEMM
+        """The selected experts' GEMMs (SiLU fused into gate_up) on their rows only -> their output
+        rows [T * k, H] in expert order (alignment.row_of_pair says where each pair's is). The
+        expert GEMMs are picked on the host from shapes alone: with bf16/fp16 and at least
+        MIN_ROWS_PER_EXPERT rows per expert on average (prefill), the tensor-core grouped GEMM
         (moe_grouped_gemm's one-block tile plan, then its mma.sync kernels, or on Hopper
         moe_grouped_wgmma's); otherwise (decode, fp32) the GEMV-style moe_gemm, which streams the
         weights at full bandwidth."""
-        num_tokens, top_k = weights.shape
+        num_pairs, top_k = weights.numel, weights.shape[1]
         num_experts, inter2, hidden_size = gate_up.shape
-        num_pairs = num_tokens * top_k
         hidden = self.allocator.empty((num_pairs, inter2 // 2), x.dtype)
         expert_out = self.allocator.empty((num_pairs, hidden_size), x.dtype)  # rounded as moe_experts says
         if moe_grouped_gemm.use_grouped_gemm(num_pairs, num_experts, x.dtype):
@@ -114,6 +146,4 @@ class MoeOps:
                                  alignment.active_experts, alignment.num_active, top_k, self.stream)
             moe_gemm.moe_down(expert_out, hidden, down, alignment.offsets, alignment.active_experts,
                               alignment.num_active, self.stream)
-        out = self.allocator.empty((num_tokens, hidden_size), x.dtype)
-        moe_routing.moe_combine(out, expert_out, weights, alignment.row_of_pair, self.stream)
-        return out
+        return expert_out

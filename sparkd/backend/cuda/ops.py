@@ -25,7 +25,7 @@ from .attention_metadata import CudaAttentionMetadata
 from .compiler import KernelSpec, all_kernel_specs, get_kernel, specs_by_source
 from .decode_graphs import DecodeGraphRunner
 from .delta_net_ops import DeltaNetOps
-from .moe_ops import MoeOps
+from .moe_ops import ExpertSum, MoeOps
 from .driver import Event, Stream, call, ensure_context, init_device, memory_info
 from .gemm import Gemm
 from .kernels import (activation, attention, attention_prefill_wgmma, delta_net, elementwise, embedding, fault, gemv,
@@ -192,13 +192,19 @@ class CudaOps(MoeOps, DeltaNetOps):
         norm.rmsnorm(out, x, weight, eps, self.stream)
         return out
 
-    def add_rmsnorm(self, x: DeviceTensor, residual: DeviceTensor, weight: DeviceTensor,
+    def add_rmsnorm(self, x: DeviceTensor | ExpertSum, residual: DeviceTensor, weight: DeviceTensor,
                     eps: float) -> tuple[DeviceTensor, DeviceTensor]:
         """residual' is float32 whatever the model dtype: the residual stream is kept unrounded
-        (updated in place from the second layer on)."""
+        (updated in place from the second layer on). A MoE block's ExpertSum is combined inside
+        the norm where its kernel takes the row (norm.combine_add_rmsnorm), else first."""
         out = self.allocator.empty(x.shape, x.dtype)
         residual_out = self._residual_out(x, residual)
-        norm.add_rmsnorm(out, residual_out, residual, x, weight, eps, self.stream)
+        if isinstance(x, ExpertSum) and norm.combine_unsupported_reason(out, residual_out, residual, x.expert_out,
+                                                                        weight) is None:
+            norm.combine_add_rmsnorm(out, residual_out, residual, x.expert_out, x.weights, x.row_of_pair, weight, eps,
+                                     self.stream)
+        else:
+            norm.add_rmsnorm(out, residual_out, residual, self.combined(x), weight, eps, self.stream)
         return out, residual_out
 
     def add_rmsnorm_linear(self, x: DeviceTensor, residual: DeviceTensor | None, norm_weight: DeviceTensor, eps: float,
@@ -217,7 +223,7 @@ class CudaOps(MoeOps, DeltaNetOps):
         the product (the fused kernel is gemv's loop) and the operands suit it; else `pre_norm`,
         then `linear` (gated: `linear_silu_and_mul`). The fused residual' is a fresh fp32 buffer:
         the kernel's other blocks still read the residual, so it is not updated in place."""
-        fuses = (self.fuse_norms and x.ndim == 2 and x.shape[0] == 1 and self.gemm.picks_gemv(x, weight)
+        fuses = (self.fuse_norms and not isinstance(x, ExpertSum) and x.ndim == 2 and x.shape[0] == 1 and self.gemm.picks_gemv(x, weight)
                  and gemv_norm.unsupported_reason(x, residual, norm_weight, weight) is None)
         if not fuses:
             y, residual = pre_norm(self, x, residual, norm_weight, eps)
@@ -323,9 +329,9 @@ class CudaOps(MoeOps, DeltaNetOps):
         activation.silu_and_mul(out, x, self.stream)
         return out
 
-    def add(self, x: DeviceTensor, y: DeviceTensor) -> DeviceTensor:
+    def add(self, x: DeviceTensor | ExpertSum, y: DeviceTensor) -> DeviceTensor:
         out = self.allocator.empty(x.shape, y.dtype)
-        elementwise.add(out, x, y, self.stream)
+        elementwise.add(out, self.combined(x), y, self.stream)
         return out
 
     def reshape(self, x: DeviceTensor, shape: Sequence[int]) -> DeviceTensor:
