@@ -223,7 +223,8 @@ class CudaOps(MoeOps, DeltaNetOps):
         the product (the fused kernel is gemv's loop) and the operands suit it; else `pre_norm`,
         then `linear` (gated: `linear_silu_and_mul`). The fused residual' is a fresh fp32 buffer:
         the kernel's other blocks still read the residual, so it is not updated in place."""
-        fuses = (self.fuse_norms and not isinstance(x, ExpertSum) and x.ndim == 2 and x.shape[0] == 1 and self.gemm.picks_gemv(x, weight)
+        fuses = (self.fuse_norms and not isinstance(x, ExpertSum) and x.ndim == 2 and x.shape[0] == 1
+                 and self.gemm.picks_gemv(x, weight)
                  and gemv_norm.unsupported_reason(x, residual, norm_weight, weight) is None)
         if not fuses:
             y, residual = pre_norm(self, x, residual, norm_weight, eps)

@@ -121,7 +121,7 @@ def combine_unsupported_reason(out: DeviceTensor, residual_out: DeviceTensor, re
     threads keep a batch of expert rows in flight besides their row slice, so a row may have at
     most kCombineNormThreads of them; and it has exactly add_rmsnorm's, for the same sums."""
     dim = residual.shape[-1]
-    width = vector_width(out.dtype, (out, residual_out, residual, expert_out, weight), (dim, row_stride(out)))
+    width = _add_rmsnorm_width(out, (out, residual_out), residual, (expert_out,), weight)
     if _threads_per_row(dim, width) > _COMBINE_NORM_THREADS:
         return (f"combine_add_rmsnorm runs rows of at most {_COMBINE_NORM_THREADS} threads of {width} elements, "
                 f"got D = {dim}")
@@ -144,10 +144,16 @@ def _launch_add_rmsnorm(kernel: str, out: DeviceTensor, residual_out: DeviceTens
     require(out.ptr not in (residual.ptr, residual_out.ptr), "out must not be a residual buffer")
     (rows, dim), ld_out = residual.shape, row_stride(out)
     _check_operands(out, x_rows[0], weight, residual.shape, row_stride=ld_out)
-    # The fp32 residual moves the same elements per access as x (two 16-byte accesses for bf16's eight).
-    width = vector_width(out.dtype, (*outputs, residual, *x_rows, weight), (dim, ld_out))
+    width = _add_rmsnorm_width(out, outputs, residual, x_rows, weight)
     spec = KernelSpec(_SOURCE, _name(kernel, out.dtype, residual.dtype, width))
     _launch(spec, width, rows, dim, [*args, i32(rows), i32(dim), np.float32(eps)], stream)
+
+
+def _add_rmsnorm_width(out: DeviceTensor, outputs: tuple, residual: DeviceTensor, x_rows: tuple,
+                       weight: DeviceTensor) -> int:
+    """Elements per access of an add_rmsnorm launch: the fp32 residual moves as many as x (two 16-byte
+    accesses for bf16's eight)."""
+    return vector_width(out.dtype, (*outputs, residual, *x_rows, weight), (residual.shape[-1], row_stride(out)))
 
 
 def _overlap_rows(a: DeviceTensor, b: DeviceTensor, dim: int, row_stride: int) -> bool:
