@@ -1,8 +1,9 @@
 """cuBLASLt and the gemv kernel at decode shapes, as fractions of the copy bandwidth measured in
-the same run, and the measured table from which the engine picks one of them per shape.
+the same run, and the measured table from which the engine picks one of them, and cuBLASLt's
+algorithm, per shape.
 
-  python tools/bench_gemm.py [--dtype bfloat16] [--m 1 2 4 8 16 64] [--iters 50] [--model DIR]
-                             [--write-table [PATH]]
+  python tools/bench_gemm.py [--dtype bfloat16] [--m 1 2 4 ... 256] [--candidates 16] [--iters 50]
+                             [--model DIR] [--write-table [PATH]]
 
 A GEMM at small M is bound by reading the weight, so bytes moved / time, divided
 by the device-to-device copy rate (bytes read plus written), says how much of the
@@ -11,14 +12,17 @@ Each shape cycles through enough weight copies to exceed twice the L2, and the
 timed launches are replayed from one CUDA graph, so neither the cache nor Python
 launch overhead inflates the figures. lm_head and the MoE router write fp32, as the engine
 runs them; the router's K is twice the hidden size (its split rows [y | y_lo], CudaOps.router_weight).
+cuBLASLt runs each of its heuristic's first --candidates algorithms: its first choice, and the
+fastest (by more than NOISE) with its rank.
 
 Shapes: Llama-3.1-8B's, Qwen3-30B-A3B's and Qwen3-Next-80B-A3B's dense ones, plus those of the
 checkpoint at --model (its config.json).
-The "picks" column is what the engine's `Gemm` runs for that shape and M. With
+The "picks" column is what the engine's `Gemm` runs for that shape and M, timed. With
 --write-table it comes from the table this run measures, written to PATH (by
 default this device's file in the sparkd cache, where the engine reads it; see
-sparkd/backend/cuda/gemm_table.py): for every shape and M tile (1, 2, 4, 8, 16)
-measured, the two fractions. Entries of shapes this run did not measure are kept.
+sparkd/backend/cuda/gemm_table.py): for every shape and M tile (gemm_table.M_TILES)
+measured, the fastest cuBLASLt algorithm and its fraction, and gemv's up to M 16. Entries
+of shapes this run did not measure are kept.
 Without it, the column shows the table the engine would load now.
 """
 
@@ -34,12 +38,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda.bindings import driver  # noqa: E402
+from nvmath.bindings import cublasLt  # noqa: E402
 
 from bench_common import bench_parser, best_seconds, copy_bandwidth, timed_graph  # noqa: E402
 from sparkd.backend.cuda.driver import Stream, call, init_device  # noqa: E402
 from sparkd.backend.cuda.gemm import Gemm  # noqa: E402
 from sparkd.backend.cuda.gemm_table import (  # noqa: E402
     GEMV,
+    M_TILES,
     GemmTable,
     Measurement,
     ShapeKey,
@@ -82,6 +88,7 @@ HYBRID_SHAPES = {
 LLAMA_LAYERS = 32
 LOGITS = "lm_head"
 FP32_OUTPUTS = ("lm_head", "router")  # logits and router logits are written in fp32, as the engine runs them
+NOISE = 0.02  # timings of one algorithm agree within about 1% from run to run
 _BF16_ONE_BITS = 0x3F80  # weights hold 1.0: the values do not change the timing
 
 
@@ -153,6 +160,13 @@ class ShapeBench:
         return Cell(seconds, self.weights[0].nbytes + x.nbytes + out.nbytes, 2 * m * n * k)
 
 
+def fastest_rank(tried: list[Cell]) -> int:
+    """The rank of the fastest of cuBLASLt's candidates; 0, the heuristic's own choice, unless
+    another beats it by more than NOISE (a closer win may be run-to-run noise)."""
+    rank = min(range(len(tried)), key=lambda i: tried[i].seconds)
+    return rank if tried[rank].seconds * (1 + NOISE) < tried[0].seconds else 0
+
+
 def bench_shapes(model_dir: str | None) -> dict[str, tuple[int, int]]:
     shapes = {**SHAPES, **MOE_SHAPES, **HYBRID_SHAPES}
     if model_dir:
@@ -164,13 +178,16 @@ def bench_shapes(model_dir: str | None) -> dict[str, tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, 50, ("bfloat16", "float16"))
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    parser.add_argument("--m", type=int, nargs="+", default=list(M_TILES),
+                        help="rows of x (default: the table's M tiles)")
+    parser.add_argument("--candidates", type=int, default=16,
+                        help="how many of cuBLASLt's heuristic's algorithms to time (default %(default)s)")
     parser.add_argument("--model", metavar="DIR", help="also the GEMM shapes of this checkpoint (its config.json)")
     parser.add_argument("--write-table", nargs="?", const="", metavar="PATH",
                         help="write the measured table (default: this device's file in the sparkd cache)")
     args = parser.parse_args(argv)
-    if any(m < 1 for m in args.m):
-        parser.error(f"--m values must be >= 1, got {args.m}")
+    if any(m < 1 for m in args.m) or args.candidates < 1:
+        parser.error(f"--m values and --candidates must be >= 1, got {args.m} and {args.candidates}")
 
     device = init_device()
     dtype = DType.parse(args.dtype)
@@ -188,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {args.dtype} GEMM 8192^3: {gemm_rate(gemm, allocator, stream, dtype) / 1e12:.0f} TFLOP/s")
     print(f"# cells: fraction of the {copy_rate / 1e12:.2f} TB/s copy rate (read + written) [TFLOP/s]; "
           f"picks: what Gemm runs ({f'the table written to {table_path}' if table_path else 'the table in use'})")
-    print("| shape | M | cuBLASLt | gemv | picks |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"| shape | M | cuBLASLt, heuristic's first | cuBLASLt, fastest of its first {args.candidates} [rank] | gemv "
+          "| picks |")
+    print("| --- | --- | --- | --- | --- | --- |")
     llama_seconds = {}  # Llama shape -> (cuBLASLt, as picked) seconds per call at M = 1
     for name, (n, k) in bench_shapes(args.model).items():
         out_dtype = DType.float32 if name.endswith(FP32_OUTPUTS) else dtype
@@ -197,19 +215,23 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.m:
             x, out = bench.operands(m)
             weight = bench.weights[0]
-            cublaslt = bench.measure(gemm.cublaslt, x, out)
+            candidates = gemm.candidates(out, x, weight, args.candidates)
+            tried = [bench.measure(lambda out, x, w, algo=algo: gemm.cublaslt(out, x, w, algo=algo), x, out)
+                     for algo in candidates]
+            rank = fastest_rank(tried)
             fast = None
             if gemv.unsupported_reason(x, weight) is None:
                 fast = bench.measure(lambda out, x, w: gemv.gemv(out, x, w, None, stream), x, out)
-                if table_path and m in gemv.M_TILES:
-                    gemm.table.entries[ShapeKey(n, k, dtype.name, m)] = Measurement(
-                        *(float(f"{cell.fraction(copy_rate):.4g}") for cell in (cublaslt, fast)))
-            picked = fast if gemm.picks_gemv(x, weight) else cublaslt
-            print(f"| {name} {n}x{k} | {m} | {cublaslt.show(copy_rate)} | "
-                  f"{fast.show(copy_rate) if fast else '-'} | {'gemv' if picked is fast else 'cuBLASLt'} |",
-                  flush=True)
+            if table_path and m in M_TILES:
+                gemm.table.entries[ShapeKey(n, k, dtype.name, m)] = Measurement(
+                    float(f"{tried[rank].fraction(copy_rate):.4g}"),
+                    float(f"{fast.fraction(copy_rate):.4g}") if fast else 0.0, candidates[rank].hex() if rank else "")
+            picked = fast if gemm.picks_gemv(x, weight) else bench.measure(gemm.cublaslt, x, out)
+            print(f"| {name} {n}x{k} | {m} | {tried[0].show(copy_rate)} | {tried[rank].show(copy_rate)} [{rank}] | "
+                  f"{fast.show(copy_rate) if fast else '-'} | {'gemv' if picked is fast else 'cuBLASLt'} "
+                  f"{picked.show(copy_rate)} |", flush=True)
             if m == 1 and name in SHAPES:
-                llama_seconds[name] = (cublaslt.seconds, picked.seconds)
+                llama_seconds[name] = (tried[0].seconds, picked.seconds)
         stream.synchronize()
         allocator.release_cached()  # the next shape's weight copies need the room
     if len(llama_seconds) == len(SHAPES):
@@ -233,6 +255,7 @@ def write_table(table: GemmTable, path: Path, copy_rate: float, argv: list[str] 
     table.command = " ".join(["python", "tools/bench_gemm.py", *(sys.argv[1:] if argv is None else argv)])
     table.measured_at = datetime.now(UTC).isoformat(timespec="seconds")
     table.copy_rate = copy_rate
+    table.cublaslt_version = cublasLt.get_version()
     table.save(path)
     wins = sum(entry.winner == GEMV for entry in table.entries.values())
     print(f"# wrote {path}: gemv wins {wins} of {len(table.entries)} (shape, dtype, M tile) entries")

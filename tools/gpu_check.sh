@@ -92,9 +92,9 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     run_step bench_moe_grouped 30 python3 tools/bench_moe_grouped.py
 fi
 if [ "$PART" != tests ]; then
-    # bench_gemm measures cuBLASLt against the skinny GEMM and writes the per-shape table
-    # (into the kernel cache) that the model benchmarks then use.
-    run_step bench_gemm 90 python3 tools/bench_gemm.py --write-table
+    # bench_gemm measures cuBLASLt's candidate algorithms and the skinny GEMM and writes the
+    # per-shape table (into the kernel cache) that the model benchmarks then use.
+    run_step bench_gemm 240 python3 tools/bench_gemm.py --write-table
 fi
 if [ "$PART" = all ] || [ "$PART" = models ]; then
     run_step bench_decode 150 python3 tools/bench_decode.py

@@ -8,10 +8,11 @@ y^T = W x^T with A = W (a [K, N] column-major matrix, transposed) and
 B = x (a [K, M] column-major matrix, as is).
 
 Accumulation is fp32 for every input type, and fp32 inputs never use TF32:
-fp32 results must match numpy to 1e-5. A plan (descriptors and the algorithm the
-heuristic picked) is cached per shape, types, leading dimension and pointer
-alignment; building one needs no device work, so a new shape may appear even
-while a graph is being captured.
+fp32 results must match numpy to 1e-5. A plan (descriptors and the algorithm) is
+cached per shape, types, leading dimension and pointer alignment: the algorithm the
+table measured fastest for the shape and M tile where cuBLASLt accepts it for these
+operands (cublasLtMatmulAlgoCheck), else the heuristic's first. Building one needs
+no device work, so a new shape may appear even while a graph is being captured.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _set_pref(preference: int, attr: lt.MatmulPreferenceAttribute, value) -> Non
 class _Plan:
     """Descriptors and the chosen algorithm for one GemmKey."""
 
-    def __init__(self, handle: int, key: GemmKey):
+    def __init__(self, handle: int, key: GemmKey, algo: bytes | None = None):
         in_type, out_type = _DATA_TYPES[key.in_dtype], _DATA_TYPES[key.out_dtype]
         self.desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F)
         _set_desc(self.desc, lt.MatmulDescAttribute.TRANSA, cublas.Operation.T)
@@ -92,10 +93,26 @@ class _Plan:
         self.a_layout = lt.matrix_layout_create(in_type, key.k, key.n, key.k)
         self.b_layout = lt.matrix_layout_create(in_type, key.k, key.m, key.ld_x)
         self.d_layout = lt.matrix_layout_create(out_type, key.n, key.m, key.ld_out)
-        self.algo = self._choose_algorithm(handle, key)[0]["algo"]  # keeps the struct's memory alive
-        self.algo_ptr = self.algo.ctypes.data
+        self.algo = self._checked(handle, algo) if algo is not None else None
+        if self.algo is None:
+            self.algo = self.heuristic(handle, key, 1)[0]
+        self.algo_ptr = self.algo.ctypes.data  # self.algo keeps the struct's memory alive
 
-    def _choose_algorithm(self, handle: int, key: GemmKey) -> lt.MatmulHeuristicResult:
+    def _checked(self, handle: int, algo: bytes) -> np.ndarray | None:
+        """A stored algorithm as a struct, if cuBLASLt runs these operands with it within the workspace."""
+        if len(algo) != lt.matmul_algo_dtype.itemsize:
+            return None
+        struct = np.frombuffer(algo, dtype=lt.matmul_algo_dtype).copy()
+        result = lt.MatmulHeuristicResult()
+        try:
+            lt.matmul_algo_check(handle, self.desc, self.a_layout, self.b_layout, self.d_layout, self.d_layout,
+                                 struct.ctypes.data, result.ptr)
+        except lt.cuBLASLtError:
+            return None
+        return struct if int(result.workspace_size) <= WORKSPACE_BYTES else None
+
+    def heuristic(self, handle: int, key: GemmKey, count: int) -> list[np.ndarray]:
+        """The heuristic's first `count` algorithms (fewer where it has fewer), its best first."""
         x_align, w_align, out_align, _ = key.alignments
         preference = lt.matmul_preference_create()
         try:
@@ -106,15 +123,15 @@ class _Plan:
             _set_pref(preference, attr.MIN_ALIGNMENT_B_BYTES, x_align)
             _set_pref(preference, attr.MIN_ALIGNMENT_C_BYTES, out_align)
             _set_pref(preference, attr.MIN_ALIGNMENT_D_BYTES, out_align)
-            results = lt.MatmulHeuristicResult(1)
+            results = lt.MatmulHeuristicResult(count)
             found = np.zeros(1, dtype=np.int32)
             lt.matmul_algo_get_heuristic(handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
-                                         self.d_layout, preference, 1, results.ptr, found.ctypes.data)
+                                         self.d_layout, preference, count, results.ptr, found.ctypes.data)
         finally:
             lt.matmul_preference_destroy(preference)
         if found[0] == 0:
             raise GemmError(f"cuBLASLt has no algorithm for {key}")
-        return results
+        return [results[i]["algo"].copy() for i in range(int(found[0]))]
 
     def destroy(self) -> None:
         for layout in (self.a_layout, self.b_layout, self.d_layout):
@@ -124,7 +141,8 @@ class _Plan:
 
 class Gemm:
     """Matmuls on one stream: cuBLASLt with one workspace and cached plans, or the gemv
-    kernel where `table` (default: this device's measured one) says it is faster.
+    kernel where `table` (default: this device's measured one) says it is faster; cuBLASLt
+    with the algorithm the table measured fastest where it has one.
 
     Capturable in CUDA graphs: the workspace and the host-side alpha/beta never move."""
 
@@ -135,7 +153,7 @@ class Gemm:
         self.workspace = allocator.empty((WORKSPACE_BYTES,), DType.uint8)
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
-        self._plans: dict[GemmKey, _Plan] = {}
+        self._plans: dict[tuple[GemmKey, bytes | None], _Plan] = {}
         if table is None:
             device = current_device()
             table = load_table(device.name, device.arch)
@@ -157,14 +175,14 @@ class Gemm:
         return self.table.pick(n, k, x.dtype, m) == GEMV and gemv.unsupported_reason(x, weight) is None
 
     def cublaslt(self, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
-                 bias: DeviceTensor | None = None) -> None:
-        """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) through cuBLASLt, whatever the table says."""
+                 bias: DeviceTensor | None = None, algo: bytes | None = None) -> None:
+        """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) through cuBLASLt, whatever the table
+        says of gemv: with `algo` (one of `candidates`) where given and accepted, else the table's
+        measured algorithm for the shape, else the heuristic's first."""
         key = gemm_key(out, x, weight, bias)
         if key.m == 0:
             return
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _Plan(self.handle, key)
+        plan = self._plan(key, algo)
         if bias is not None:
             # The pointer is read when the matmul is enqueued (and baked into a captured graph).
             _set_desc(plan.desc, lt.MatmulDescAttribute.BIAS_POINTER, bias.ptr)
@@ -174,6 +192,31 @@ class Gemm:
                       self.workspace.ptr, WORKSPACE_BYTES, int(self.stream.handle))
         except lt.cuBLASLtError as err:
             raise GemmError(f"cuBLASLt matmul failed for {key}: {err}") from err
+
+    def _plan(self, key: GemmKey, algo: bytes | None) -> _Plan:
+        plan = self._plans.get((key, algo))
+        if plan is None:
+            plan = self._plans[(key, algo)] = _Plan(self.handle, key, algo or self._measured_algo(key))
+        return plan
+
+    def algorithm(self, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor,
+                  bias: DeviceTensor | None = None) -> bytes:
+        """The cuBLASLt algorithm `cublaslt` runs this product with (its plan is made if new)."""
+        return self._plan(gemm_key(out, x, weight, bias), None).algo.tobytes()
+
+    def candidates(self, out: DeviceTensor, x: DeviceTensor, weight: DeviceTensor, count: int = 16) -> list[bytes]:
+        """cuBLASLt's heuristic's first `count` algorithms for this product (what bench_gemm.py times)."""
+        key = gemm_key(out, x, weight, None)
+        plan = _Plan(self.handle, key)
+        try:
+            return [algo.tobytes() for algo in plan.heuristic(self.handle, key, count)]
+        finally:
+            plan.destroy()
+
+    def _measured_algo(self, key: GemmKey) -> bytes | None:
+        if self.table.cublaslt_version != lt.get_version():
+            return None  # measured with another cuBLASLt: its algorithms may mean something else here
+        return self.table.cublaslt_algo(key.n, key.k, key.in_dtype, key.m)
 
     @property
     def num_plans(self) -> int:
