@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_table is not None:
         table_path = Path(args.write_table) if args.write_table else cache_table_path(device.name, device.arch)
         gemm.table = read_table(table_path) or GemmTable(device.name, device.arch)
+        gemm.table.cublaslt_version = cublasLt.get_version()  # the picks below run the algorithms measured here
     l2_bytes = call(driver.cuDeviceGetAttribute, driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE,
                     device.handle)
     print(f"# {device.name} ({device.arch}), {args.dtype}, L2 {l2_bytes / 2**20:.0f} MiB")
@@ -255,7 +256,6 @@ def write_table(table: GemmTable, path: Path, copy_rate: float, argv: list[str] 
     table.command = " ".join(["python", "tools/bench_gemm.py", *(sys.argv[1:] if argv is None else argv)])
     table.measured_at = datetime.now(UTC).isoformat(timespec="seconds")
     table.copy_rate = copy_rate
-    table.cublaslt_version = cublasLt.get_version()
     table.save(path)
     wins = sum(entry.winner == GEMV for entry in table.entries.values())
     print(f"# wrote {path}: gemv wins {wins} of {len(table.entries)} (shape, dtype, M tile) entries")

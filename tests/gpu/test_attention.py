@@ -25,7 +25,7 @@ from cuda.bindings import driver
 from sparkd.backend.cuda.attention_metadata import CudaAttentionMetadata
 from sparkd.backend.cuda.driver import call
 from sparkd.backend.cuda.graphs import capture
-from sparkd.backend.cuda.kernels.attention_plan import SPLIT_ALIGN, DecodePlan
+from sparkd.backend.cuda.kernels.attention_plan import FULL_BATCH_MAX_SPLITS, SPLIT_ALIGN, DecodePlan
 from sparkd.backend.cuda.transfer import copy_to_device
 
 from .attention_plans import h200_plan
@@ -219,6 +219,20 @@ def test_decode_of_many_sequences_of_mixed_length(gpu, rel_error, tolerance, dty
         assert h200_plan(len(seq_lens), 16, 4, 64, dtype, 1100) == DecodePlan(8, 8, SPLIT_ALIGN)
     out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.125, decode=True)
     assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.125)) <= tolerance[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,num_seqs", [("float32", 96), ("bfloat16", 64)])
+def test_decode_of_a_batch_past_one_wave_splits_a_few_ways(gpu, rel_error, tolerance, dtype, num_seqs):
+    """More (sequence, kv head) blocks than an H200 holds at once: the keys split a few ways,
+    merged through the workspace; sequences of at most MIN_SPLIT_KEYS keys use one part."""
+    rng = np.random.default_rng(10)
+    seq_lens = [1, 128, 129, 700, *rng.integers(1, 700, num_seqs - 4)]
+    batch = make_batch(rng, [1] * num_seqs, seq_lens, 32, 8, 128, 16)
+    plan = h200_plan(num_seqs, 32, 8, 128, dtype, 700)
+    assert plan.cluster == 1 and 1 < plan.num_splits <= FULL_BATCH_MAX_SPLITS
+    out, (q, k_cache, v_cache) = run(gpu, batch, dtype, 0.1, decode=True)
+    assert rel_error(out, dense_attention(q, k_cache, v_cache, batch.meta, 0.1)) <= tolerance[dtype]
 
 
 @pytest.mark.gpu

@@ -47,9 +47,19 @@ def test_llama_decode_plans_on_the_h200():
     # Batch 1 at 32k: past MAX_CLUSTER_PARTS clusters, plain splits merged the same way.
     long = h200_plan(1, 32, 8, 128, "bfloat16", 32768)
     assert long.cluster == 1 and long.num_splits > attention_plan.MAX_CLUSTER_PARTS * attention_plan.DECODE_CLUSTER
-    # Batch 64 fills the GPU unsplit, at any context.
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention_plan.DecodePlan(1, 1)
-    assert h200_plan(64, 32, 8, 128, "bfloat16", 32768) == attention_plan.DecodePlan(1, 1)
+    # Batch 32's 256 blocks fill the GPU in one wave (3 an SM): unsplit, at any context.
+    assert h200_plan(32, 32, 8, 128, "bfloat16", 1024) == attention_plan.DecodePlan(1, 1)
+    assert h200_plan(32, 32, 8, 128, "bfloat16", 32768) == attention_plan.DecodePlan(1, 1)
+    # Batch 64's 512 blocks are 1.29 waves: 2 splits make 2.59, at any context (each split of
+    # a 1k context still holds 512 keys).
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 1024) == attention_plan.DecodePlan(2, 1)
+    assert h200_plan(64, 32, 8, 128, "bfloat16", 32768) == attention_plan.DecodePlan(2, 1)
+    # Batch 128's 1024 blocks are 2.59 waves already: unsplit.
+    assert h200_plan(128, 32, 8, 128, "bfloat16", 8192) == attention_plan.DecodePlan(1, 1)
+    # Never more than FULL_BATCH_MAX_SPLITS once the batch fills the GPU.
+    for batch in range(17, 513):
+        plan = h200_plan(batch, 32, 8, 128, "bfloat16", 131072)
+        assert plan.cluster == 1 and plan.num_splits <= attention_plan.FULL_BATCH_MAX_SPLITS
     # fp32 splits one by one, as many as the workspace holds.
     fp32 = h200_plan(1, 32, 8, 128, "float32", 32768)
     assert fp32.cluster == 1 and fp32.num_parts == fp32.num_splits > 1

@@ -21,6 +21,7 @@ DECODE_COUNTERS = 4096  # kMaxDecodeCounters (attention_decode.cu): unsplit bloc
 DECODE_HEADS_PER_BLOCK = 16  # query heads of one kv head that a decode block serves
 DECODE_CLUSTER = 8  # kDecodeCluster: splits a bf16 / fp16 thread-block cluster merges on chip
 MAX_CLUSTER_PARTS = 4  # see plan_decode
+FULL_BATCH_MAX_SPLITS = 4  # see plan_decode
 
 _RESERVED_SMEM = 1024  # shared memory the driver reserves per block (and once per SM)
 
@@ -72,7 +73,7 @@ class AttentionSizes:
 
 
 def choose_num_splits(num_blocks: int, max_seq_len: int, num_sms: int, blocks_per_sm: int = 2,
-                      step: int = 1, min_split_keys: int = MIN_SPLIT_KEYS) -> int:
+                      step: int = 1, min_split_keys: int = MIN_SPLIT_KEYS, max_splits: int = MAX_SPLITS) -> int:
     """How many splits of its keys each decode block gets (flash-attention 2's wave heuristic).
 
     num_blocks: blocks without splitting (sequences x kv heads x head chunks), of which
@@ -80,7 +81,7 @@ def choose_num_splits(num_blocks: int, max_seq_len: int, num_sms: int, blocks_pe
     none shorter than min_split_keys; the fewest splits whose waves are at least 85%
     as full as the best candidate's win, so a batch that fills its waves stays whole."""
     slots = num_sms * blocks_per_sm
-    limit = max(1, min(MAX_SPLITS, slots, math.ceil(max_seq_len / min_split_keys)))
+    limit = max(1, min(max_splits, slots, math.ceil(max_seq_len / min_split_keys)))
     candidates = [1, *range(step, limit + 1, step)] if step > 1 else list(range(1, limit + 1))
     efficiency = [n * num_blocks / slots / math.ceil(n * num_blocks / slots) for n in candidates]
     best = max(efficiency)
@@ -141,14 +142,19 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
                 workspace_numel: int) -> DecodePlan:
     """The splits that fill the GPU best, as far as `workspace_numel` floats hold the parts.
 
-    Rules measured on the H200 (docs/benchmarks.md, bf16, D 128):
-    - A batch whose unsplit blocks already give every SM one is not split (nor one with
-      more than DECODE_COUNTERS, the kernels' arrival counters). Splitting it
-      pays only at long contexts (batch 64: 0.81-0.97 of the copy rate at 4k-32k keys
-      against 0.67-0.69 unsplit), but a decode graph's plan is fixed at its context bound
-      (max_model_len; small batches also have a graph for 1024 keys, decode_slots.py),
-      and there the splits of short sequences sit empty: batch 64 at 1k keys in a graph
-      planned for 8k ran at 0.43 of the roofline against 0.69 unsplit.
+    Rules measured on the H200 and the H100 (docs/benchmarks.md, bf16, D 128):
+    - A batch whose unsplit blocks give every SM one but fit in one wave is not split (nor
+      one with more than DECODE_COUNTERS, the kernels' arrival counters): its blocks all
+      run at once (H100, batch 32: 2-4 splits 0.58-0.73 of the copy rate against 0.73-0.91
+      unsplit). Past one wave the last, ragged one runs few blocks, each bound by its own
+      loads in flight, so the batch splits in at most FULL_BATCH_MAX_SPLITS by the wave
+      rule of choose_num_splits (H100, batch 64 at 1k / 4k keys: 2 splits 0.82 / 0.90
+      against 0.76 / 0.79 unsplit). Few splits keep at least MIN_SPLIT_KEYS keys each
+      at the contexts the graph replays: a decode graph's plan is fixed at its context
+      bound (max_model_len; small batches also have a graph for 1024 keys,
+      decode_slots.py), and many splits sat empty for short sequences (batch 64 at 1k keys
+      in a graph planned for 8k with every split of a cluster plan: 0.43 of the roofline
+      against 0.69 unsplit).
     - bf16 / fp16 splits merged on chip by a cluster of DECODE_CLUSTER pay off while a
       sequence needs at most MAX_CLUSTER_PARTS clusters (1k-4k keys at batch 1: 7.3 us
       against 12.2 us at 1k); past that, plain splits merged through the workspace are
@@ -159,10 +165,15 @@ def plan_decode(sizes: AttentionSizes, max_seq_len: int, num_sms: int, max_share
       603.3 -> 604.4). With more parts, shorter splits would make a context use more of them.
     fp32 always splits one by one."""
     blocks = _decode_blocks(sizes)
-    if blocks >= min(num_sms, DECODE_COUNTERS):
+    if blocks >= DECODE_COUNTERS:
         return DecodePlan(1, 1)
     per_sm = blocks_per_sm(decode_smem_bytes(sizes), max_shared_per_block)
     max_parts = max(1, workspace_numel // part_numel(sizes))
+    if blocks >= num_sms:
+        if blocks <= num_sms * per_sm:
+            return DecodePlan(1, 1)  # one wave, every block at once
+        wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, max_splits=FULL_BATCH_MAX_SPLITS)
+        return DecodePlan(min(wanted, max_parts), 1)
     clustered = None
     if sizes.dtype is not DType.float32:
         wanted = choose_num_splits(blocks, max_seq_len, num_sms, per_sm, DECODE_CLUSTER)
