@@ -136,3 +136,27 @@ def compile_test_kernel(gpu, tmp_path, monkeypatch):
         return Kernel(name, call(driver.cuModuleGetFunction, handle, module.lowered_names[name].encode()))
 
     return build
+
+
+@pytest.fixture
+def gemm_with_table(gpu):
+    """(entries {ShapeKey: Measurement}, cublaslt_version=None) -> a Gemm on gpu's stream that reads
+    a table of those entries, measured by that cuBLASLt version (None: the one loaded here)."""
+    pytest.importorskip("nvmath")
+    from nvmath.bindings import cublasLt
+
+    from sparkd.backend.cuda.gemm import Gemm
+    from sparkd.backend.cuda.gemm_table import GemmTable
+
+    made = []
+
+    def make(entries, cublaslt_version: int | None = None):
+        version = cublasLt.get_version() if cublaslt_version is None else cublaslt_version
+        table = GemmTable("test", "sm_00", entries=entries, cublaslt_version=version)
+        made.append(Gemm(gpu.allocator, gpu.stream, table=table))
+        return made[-1]
+
+    yield make
+    gpu.stream.synchronize()
+    for gemm in made:
+        gemm.close()

@@ -63,40 +63,19 @@ def _operands(gpu, m, n, k, seed):
     return x_dev, w_dev, reference
 
 
-@pytest.fixture
-def lt_gemm(gpu):
-    pytest.importorskip("nvmath")
-    from nvmath.bindings import cublasLt
-
-    from sparkd.backend.cuda.gemm import Gemm
-
-    made = []
-
-    def make(entries: dict[ShapeKey, Measurement], version: int | None = None):
-        version = cublasLt.get_version() if version is None else version
-        made.append(Gemm(gpu.allocator, gpu.stream, table=GemmTable("test", "sm_00", entries=entries,
-                                                                    cublaslt_version=version)))
-        return made[-1]
-
-    yield make
-    gpu.stream.synchronize()
-    for gemm in made:
-        gemm.close()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [24, 64])
-def test_gemm_runs_every_candidate_it_would_store(gpu, lt_gemm, rel_error, tolerance, m):
+def test_gemm_runs_every_candidate_it_would_store(gpu, gemm_with_table, rel_error, tolerance, m):
     """Each of the heuristic's candidates, stored in the table at m's tile, is the one Gemm runs,
     and its product is right: whichever one bench_gemm.py measures fastest may be stored."""
     n, k = 384, 1024
     x_dev, w_dev, reference = _operands(gpu, m, n, k, seed=m)
     poison = np.full((m, n), np.nan, np.float32)
     out = gpu.upload(poison, DType.bfloat16)
-    candidates = lt_gemm({}).candidates(out, x_dev, w_dev, 8)
+    candidates = gemm_with_table({}).candidates(out, x_dev, w_dev, 8)
     assert len(candidates) >= 2 and len(set(candidates)) == len(candidates)
     for algo in candidates:
-        gemm = lt_gemm({ShapeKey(n, k, "bfloat16", table_m_tile(m)): Measurement(0.5, algo=algo.hex())})
+        gemm = gemm_with_table({ShapeKey(n, k, "bfloat16", table_m_tile(m)): Measurement(0.5, algo=algo.hex())})
         out = gpu.upload(poison, DType.bfloat16)
         gemm(out, x_dev, w_dev)
         assert gemm.algorithm(out, x_dev, w_dev) == algo
@@ -104,19 +83,19 @@ def test_gemm_runs_every_candidate_it_would_store(gpu, lt_gemm, rel_error, toler
 
 
 @pytest.mark.gpu
-def test_gemm_keeps_the_heuristic_s_choice_where_the_stored_one_cannot_run(gpu, lt_gemm, rel_error, tolerance):
+def test_gemm_keeps_the_heuristic_s_choice_where_the_stored_one_cannot_run(gpu, gemm_with_table, rel_error, tolerance):
     """An algorithm cuBLASLt rejects for these operands, and one measured with another cuBLASLt
     version, are not used: the heuristic's first runs, and the product stays right."""
     m, n, k = 64, 256, 512
     x_dev, w_dev, reference = _operands(gpu, m, n, k, seed=3)
     out = gpu.empty((m, n), DType.bfloat16)
-    heuristic = lt_gemm({}).algorithm(out, x_dev, w_dev)
-    other = lt_gemm({}).candidates(out, x_dev, w_dev, 4)[-1]
+    heuristic = gemm_with_table({}).algorithm(out, x_dev, w_dev)
+    other = gemm_with_table({}).candidates(out, x_dev, w_dev, 4)[-1]
     assert other != heuristic
     key = ShapeKey(n, k, "bfloat16", 64)
-    for gemm in (lt_gemm({key: Measurement(0.5, algo=(b"\xff" * 64).hex())}),  # not an algorithm
-                 lt_gemm({key: Measurement(0.5, algo="abcd")}),  # not even a struct's size
-                 lt_gemm({key: Measurement(0.5, algo=other.hex())}, version=1)):  # another library's
+    for gemm in (gemm_with_table({key: Measurement(0.5, algo=(b"\xff" * 64).hex())}),  # not an algorithm
+                 gemm_with_table({key: Measurement(0.5, algo="abcd")}),  # not even a struct's size
+                 gemm_with_table({key: Measurement(0.5, algo=other.hex())}, cublaslt_version=1)):  # another library's
         gemm(out, x_dev, w_dev)
         assert gemm.algorithm(out, x_dev, w_dev) == heuristic
         assert rel_error(gpu.download(out), reference) <= tolerance["bfloat16"]

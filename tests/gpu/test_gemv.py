@@ -133,23 +133,6 @@ def test_gemv_replays_inside_a_cuda_graph(gpu, rel_error):
 
 # ---- Gemm's dispatch ----
 
-@pytest.fixture
-def gemm_with_table(gpu):
-    pytest.importorskip("nvmath")
-    from sparkd.backend.cuda.gemm import Gemm
-
-    made = []
-
-    def make(entries: dict[ShapeKey, Measurement]):
-        made.append(Gemm(gpu.allocator, gpu.stream, table=GemmTable("test", "sm_00", entries=entries)))
-        return made[-1]
-
-    yield make
-    gpu.stream.synchronize()
-    for gemm in made:
-        gemm.close()
-
-
 @pytest.mark.gpu
 def test_gemm_runs_gemv_where_the_table_says_it_wins(gpu, gemm_with_table, rel_error, tolerance):
     gemm = gemm_with_table({ShapeKey(384, 256, "bfloat16", 4): Measurement(cublaslt=0.6, gemv=0.9)})
