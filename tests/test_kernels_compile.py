@@ -18,6 +18,7 @@ from sparkd.backend.cuda.compiler import (  # noqa: E402
     compile_specs,
     source_files,
     specs_by_source,
+    toolkit_options,
 )
 from sparkd.backend.cuda.launch import dim3, pack_args  # noqa: E402
 from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
@@ -73,7 +74,7 @@ def test_cli_fails_on_a_bad_arch(capsys):
 # ---- cache keys ----
 
 def _write_kernel(directory, header_body: str):
-    (directory / "inc").mkdir(exist_ok=True)
+    (directory / "inc").mkdir(parents=True, exist_ok=True)
     (directory / "inc" / "scale.cuh").write_text(f"#pragma once\n{header_body}\n")
     (directory / "k.cu").write_text('#include "inc/scale.cuh"\n'
                                     "template <typename T> __global__ void k(T* x) { x[threadIdx.x] *= kScale; }\n")
@@ -81,13 +82,13 @@ def _write_kernel(directory, header_body: str):
 
 def test_cache_key_follows_included_headers(tmp_path):
     _write_kernel(tmp_path, "constexpr float kScale = 2.f;")
-    options = compile_options("sm_90", tmp_path)
+    options = toolkit_options("sm_90")
     files = source_files("k.cu", tmp_path)
     assert sorted(files) == ["inc/scale.cuh", "k.cu"]
     key = cache_key(files, ["k<float>"], options)
     assert cache_key(files, ["k<float>"], options) == key
     assert cache_key(files, ["k<double>"], options) != key
-    assert cache_key(files, ["k<float>"], compile_options("sm_120", tmp_path)) != key
+    assert cache_key(files, ["k<float>"], toolkit_options("sm_120")) != key
     _write_kernel(tmp_path, "constexpr float kScale = 3.f;")
     assert cache_key(source_files("k.cu", tmp_path), ["k<float>"], options) != key
 
@@ -98,6 +99,15 @@ def test_a_changed_header_recompiles(tmp_path):
     assert compile_specs("k.cu", ["k<float>"], "sm_90", kernel_dir=tmp_path).from_cache
     _write_kernel(tmp_path, "constexpr float kScale = 4.f;")
     assert not compile_specs("k.cu", ["k<float>"], "sm_90", kernel_dir=tmp_path).from_cache
+
+
+def test_a_copy_of_the_sources_elsewhere_comes_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKD_CACHE_DIR", str(tmp_path / "cache"))
+    for copy in ("a", "b"):
+        _write_kernel(tmp_path / copy, "constexpr float kScale = 2.f;")
+    first = compile_specs("k.cu", ["k<float>"], "sm_90", kernel_dir=tmp_path / "a")
+    second = compile_specs("k.cu", ["k<float>"], "sm_90", kernel_dir=tmp_path / "b")
+    assert not first.from_cache and second.from_cache and second.cubin == first.cubin
 
 
 def test_compile_errors_carry_the_nvrtc_log(tmp_path):

@@ -81,11 +81,16 @@ def target_arch(files: dict[str, bytes], arch: str) -> str:
     return f"{arch}a" if macro is not None and any(macro in text for text in files.values()) else arch
 
 
-def compile_options(arch: str, kernel_dir: Path = KERNEL_DIR) -> list[str]:
-    """No --use_fast_math: fp32 kernels must match numpy to 1e-5."""
+def toolkit_options(arch: str) -> list[str]:
+    """The options but the kernel directory's include path: what the cache key holds. No
+    --use_fast_math: fp32 kernels must match numpy to 1e-5."""
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch must look like sm_90, got {arch!r}")
-    return [f"-arch={arch}", "--std=c++17", f"-I{_cudart_include_dir()}", f"-I{kernel_dir}"]
+    return [f"-arch={arch}", "--std=c++17", f"-I{_cudart_include_dir()}"]
+
+
+def compile_options(arch: str, kernel_dir: Path = KERNEL_DIR) -> list[str]:
+    return [*toolkit_options(arch), f"-I{kernel_dir}"]
 
 
 def source_files(source: str, kernel_dir: Path = KERNEL_DIR) -> dict[str, bytes]:
@@ -128,7 +133,9 @@ def compile_specs(source: str, names: Iterable[str], arch: str, kernel_dir: Path
     files = source_files(source, kernel_dir)
     arch = target_arch(files, arch)
     options = compile_options(arch, kernel_dir)
-    key = cache_key(files, names, options)
+    # The kernel directory's files are hashed, not its path: a copy of the sources elsewhere (another
+    # checkout, another install) shares the cache.
+    key = cache_key(files, names, toolkit_options(arch))
     cached = _read_cache(key)
     if cached is not None:
         cubin, lowered = cached
