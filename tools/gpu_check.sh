@@ -4,16 +4,16 @@
 # nvidia-smi, builds every kernel (which fills the compile cache for the tests), runs the
 # tests in tests/gpu, then the GPU benchmarks. Each step logs to OUTDIR/<step>.log and has
 # a time limit (SIGINT first, so pytest still prints its summary and Python a traceback);
-# the whole check takes about 13-15 minutes on an H200 (the limits add up to more, for a
+# the whole check takes about 15-17 minutes on an H200 (the limits add up to more, for a
 # hung step). A failed or timed-out step does not stop the others, and the script exits
 # non-zero if any failed.
 set -uo pipefail
 
-# PART: all (default), or tests (up to the GPU tests, plus the kernel benchmarks), models
-# (the GEMM table and the whole-model benchmarks) or new (the hybrid benchmarks), each of which
-# fits one 10-minute device call.
-if [ $# -lt 1 ] || [ $# -gt 2 ] || ! [[ ${2:-all} =~ ^(all|tests|models|new)$ ]]; then
-    echo "usage: $0 OUTDIR [all|tests|models|new]" >&2
+# PART: all (default), or tests (the GPU tests), kernels (the kernel benchmarks), models (the
+# GEMM table and the whole-model benchmarks) or new (the hybrid benchmarks), each of which fits
+# one 10-minute device call (the GPU tests alone take 330-380 s on an H200).
+if [ $# -lt 1 ] || [ $# -gt 2 ] || ! [[ ${2:-all} =~ ^(all|tests|kernels|models|new)$ ]]; then
+    echo "usage: $0 OUTDIR [all|tests|kernels|models|new]" >&2
     exit 2
 fi
 PART=${2:-all}
@@ -80,8 +80,10 @@ run_step kernels_build 60 python3 -m sparkd.cli.main kernels build
 # Only tests/gpu: the API tests import packages the GPU machine lacks (openai), and
 # --confcutdir keeps tests/conftest.py (the API server fixtures) from loading.
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
-    run_step pytest_gpu 360 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
-    # The GPU benchmarks only: the kernels first, against the copy rate or their old form.
+    run_step pytest_gpu 480 python3 -m pytest tests/gpu --confcutdir=tests/gpu -v -rP --durations=15 -p no:cacheprovider
+fi
+if [ "$PART" = all ] || [ "$PART" = kernels ]; then
+    # The kernel benchmarks, against the copy rate or their old form.
     run_step bench_attention 60 python3 tools/bench_attention.py
     run_step bench_attention_prefill 30 python3 tools/bench_attention_prefill.py
     run_step bench_rope_kv 20 python3 tools/bench_rope_kv.py
@@ -91,7 +93,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     run_step bench_moe_routing 20 python3 tools/bench_moe_routing.py
     run_step bench_moe_grouped 30 python3 tools/bench_moe_grouped.py
 fi
-if [ "$PART" != tests ]; then
+if [ "$PART" = all ] || [ "$PART" = models ] || [ "$PART" = new ]; then
     # bench_gemm measures cuBLASLt's candidate algorithms and the skinny GEMM and writes the
     # per-shape table (into the kernel cache) that the model benchmarks then use.
     run_step bench_gemm 240 python3 tools/bench_gemm.py --write-table
