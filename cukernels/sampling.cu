@@ -200,7 +200,10 @@ __device__ int argmax_row(const RowValues& x, int vocab, SharedScratch& s) {
 
 // Logprobs of the raw logits x for the chosen token: log_softmax, rank
 // (1 + the number of larger logprobs) and the num_top largest (ids by
-// descending logprob, lower id first on ties), as sampler._with_logprobs.
+// descending logprob, lower id first on ties), as sampler._with_logprobs. A NaN
+// logprob (a row of -inf or NaN logits) ranks among the top ids as -inf, below
+// every number as numpy sorts NaN last, so such a row fills its num_top slots
+// too and never reads an id it did not write.
 __device__ void write_logprobs(const float* x, int vocab, int token, int num_top, float* out_logprob, int* out_rank,
                                int* out_top_ids, float* out_top_logprobs, SharedScratch& s) {
   float max_logit = -infinity();
@@ -221,7 +224,11 @@ __device__ void write_logprobs(const float* x, int vocab, int token, int num_top
   }
   if (num_top == 0) return;
 
-  const auto by_count = [&](int i) { return Candidate<unsigned>{logprob(i), 1u}; };
+  const auto order_of = [&](int i) {
+    const float lp = logprob(i);
+    return isnan(lp) ? -infinity() : lp;
+  };
+  const auto by_count = [&](int i) { return Candidate<unsigned>{order_of(i), 1u}; };
   const Selection<unsigned> kth = select_threshold(vocab, by_count, static_cast<unsigned>(num_top), s.count_hist);
   // Ids above the k-th logprob all belong; ties at it fill the rest, lowest ids
   // first. When every tie fits, order does not matter and atomics collect them.
@@ -230,34 +237,34 @@ __device__ void write_logprobs(const float* x, int vocab, int token, int num_top
   if (threadIdx.x == 0) s.top_count = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const float lp = logprob(i);
-    if (lp > kth.value || (all_ties_fit && lp == kth.value)) s.top_ids[atomicAdd(&s.top_count, 1)] = i;
+    const float order = order_of(i);
+    if (order > kth.value || (all_ties_fit && order == kth.value)) s.top_ids[atomicAdd(&s.top_count, 1)] = i;
   }
   if (!all_ties_fit) {
     // Each thread walks a contiguous span so that a block scan orders the ties by id.
     const int span = (vocab + blockDim.x - 1) / blockDim.x;
     const int begin = min(vocab, static_cast<int>(threadIdx.x) * span), end = min(vocab, begin + span);
     int ties = 0;
-    for (int i = begin; i < end; ++i) ties += logprob(i) == kth.value;
+    for (int i = begin; i < end; ++i) ties += order_of(i) == kth.value;
     int total;
     int slot = block_exclusive_sum(ties, s.ints, total) + static_cast<int>(kth.above);
     for (int i = begin; i < end && slot < num_top; ++i) {
-      if (logprob(i) == kth.value) s.top_ids[slot++] = i;
+      if (order_of(i) == kth.value) s.top_ids[slot++] = i;
     }
   }
   __syncthreads();
   // Rank sort of the num_top ids: one thread each.
   if (threadIdx.x < num_top) {
     const int id = s.top_ids[threadIdx.x];
-    const float lp = logprob(id);
+    const float order = order_of(id);
     int rank = 0;
     for (int j = 0; j < num_top; ++j) {
       const int other = s.top_ids[j];
-      const float other_lp = logprob(other);
-      rank += other_lp > lp || (other_lp == lp && other < id);
+      const float other_order = order_of(other);
+      rank += other_order > order || (other_order == order && other < id);
     }
     out_top_ids[rank] = id;
-    out_top_logprobs[rank] = lp;
+    out_top_logprobs[rank] = logprob(id);
   }
 }
 

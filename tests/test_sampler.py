@@ -197,6 +197,20 @@ def test_logprobs_ranks_and_top_ids_describe_the_raw_distribution():
     assert none_top.top_ids.shape == (4, 0) and none_top.ranks.shape == (4,)
 
 
+def test_top_ids_break_ties_at_the_cut_by_lower_id_and_order_nan_rows_by_id():
+    """Ties at the num_top-th logprob go to the lowest ids (the device's rule); a row whose logprobs
+    are NaN (all -inf logits, or a NaN logit) gives its lowest ids, rank 1 and NaN logprobs."""
+    logits = np.zeros((3, 4000), np.float32)
+    logits[0, [3000, 3500]] = 1.0  # then 3998 ties for the last three places
+    logits[1] = -np.inf
+    logits[2, 7] = np.nan
+    out = sample(logits, make_params(3, temperature=0.0, num_logprobs=5))
+    assert out.top_ids.tolist() == [[3000, 3500, 0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert out.ranks.tolist()[1:] == [1, 1]
+    assert np.isnan(out.logprobs[1:]).all() and np.isnan(out.top_logprobs[1:]).all()
+    assert np.isfinite(out.top_logprobs[0]).all()
+
+
 def pad(rows):
     width = max((len(r) for r in rows), default=0)
     return np.array([list(r) + [-1] * (width - len(r)) for r in rows], dtype=np.int32).reshape(len(rows), width)

@@ -218,9 +218,38 @@ def test_logprobs_ranks_and_top_ids_match_the_reference(gpu, split, rel_error, v
     assert rel_error(got.top_logprobs, expected.top_logprobs) <= 1e-5
 
 
+@pytest.mark.parametrize("vocab", [7, 5003, 151936])
+@pytest.mark.parametrize("path", ["greedy", "split", "row"])
+def test_rows_of_nan_logprobs_give_their_lowest_ids(gpu, rel_error, path, vocab):
+    """A row of -inf logits, or one holding a NaN logit, has NaN logprobs: its top ids are its
+    lowest and its rank 1, as the reference's. Such rows once left the top-id slots unwritten and
+    read whatever shared memory held there as ids (an illegal address, seen on an H100)."""
+    rng = np.random.default_rng(vocab)
+    rows = 6
+    logits = llm_like_logits(rng, rows, vocab)
+    logits[1] = -np.inf
+    logits[4, vocab // 2] = np.nan
+    penalty = np.ones(rows, np.float32)
+    if path != "greedy":
+        penalty[0] = 1.5  # a row to process: the sampling kernels, not the greedy one
+    params = sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32), repetition_penalty=penalty,
+                              output_token_ids=rng.integers(0, vocab, size=(rows, 2)).astype(np.int32),
+                              num_logprobs=5)
+    assert sampling.is_plain_greedy(params) == (path == "greedy")
+    got, expected = sample_both(gpu, logits, params, split=path != "row")
+    np.testing.assert_array_equal(got.top_ids, expected.top_ids)
+    np.testing.assert_array_equal(got.ranks, expected.ranks)
+    nan = np.isnan(expected.top_logprobs)
+    assert nan[[1, 4]].all() and not nan[[0, 2, 3, 5]].any()
+    np.testing.assert_array_equal(np.isnan(got.top_logprobs), nan)
+    assert rel_error(got.top_logprobs[~nan], expected.top_logprobs[~nan]) <= 1e-5
+    no_nan_logit = [0, 1, 2, 3, 5]  # argmax over a NaN: numpy's is the NaN's id, the kernels' another
+    np.testing.assert_array_equal(got.token_ids[no_nan_logit], expected.token_ids[no_nan_logit])
+
+
 def test_top_logprob_ties_prefer_lower_ids(gpu):
-    """Ties straddling the K-th place: the lower ids win (the reference leaves that order
-    to np.argpartition, so compare with a stable sort instead)."""
+    """Ties straddling the K-th place: the lower ids win (as the reference's _top_ids; compared
+    with a stable sort here, independently of it)."""
     rng = np.random.default_rng(5)
     rows, vocab, k = 4, 3000, 20
     logits = np.round(rng.standard_normal((rows, vocab))).astype(np.float32)
@@ -352,7 +381,9 @@ def test_plain_greedy_steps_draw_argmax_with_no_parameters_uploaded(gpu, rel_err
     np.testing.assert_array_equal(got.token_ids, np.argmax(logits, axis=1))
     finite = np.isfinite(expected.logprobs)
     assert rel_error(got.logprobs[finite], expected.logprobs[finite]) <= 1e-5
-    # The reference leaves the order of tied top ids to np.argpartition: the lower ids go first.
+    np.testing.assert_array_equal(got.ranks, expected.ranks)
+    # Every row's, the all -inf one's too (NaN logprobs: its lowest ids); ties go to the lower ids.
+    np.testing.assert_array_equal(got.top_ids, expected.top_ids)
     in_order = np.argsort(-logits, axis=1, kind="stable")[:, : got.top_ids.shape[1]]
     np.testing.assert_array_equal(got.top_ids[finite], in_order[finite])
 

@@ -135,8 +135,9 @@ def exponential_race(weights: np.ndarray, seeds: np.ndarray, steps: np.ndarray) 
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """[B, V] -> [B, V] float32 log-probabilities."""
-    shifted = logits - logits.max(axis=1, keepdims=True)
+    """[B, V] -> [B, V] float32 log-probabilities; NaN throughout a row of -inf or NaN logits."""
+    with np.errstate(invalid="ignore"):
+        shifted = logits - logits.max(axis=1, keepdims=True)
     return (shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))).astype(np.float32)
 
 
@@ -153,9 +154,16 @@ def _with_logprobs(raw: np.ndarray, token_ids: np.ndarray, num_top: int) -> Samp
 
 
 def _top_ids(logprobs: np.ndarray, num_top: int) -> np.ndarray:
-    """[B, V] -> [B, num_top] int64 ids by descending logprob, lower id first on ties."""
+    """[B, V] -> [B, num_top] int64 ids by descending logprob, lower id first on ties (at the
+    num_top-th value too). A NaN logprob (a row of -inf or NaN logits) counts as -inf, so such a
+    row's top ids are its lowest, as on the device."""
     if num_top == 0:
         return np.empty((logprobs.shape[0], 0), dtype=np.int64)
-    candidates = np.sort(np.argpartition(-logprobs, num_top - 1, axis=1)[:, :num_top], axis=1)
-    order = np.argsort(-np.take_along_axis(logprobs, candidates, axis=1), axis=1, kind="stable")
-    return np.take_along_axis(candidates, order, axis=1).astype(np.int64)
+    order = np.where(np.isnan(logprobs), -np.inf, logprobs)
+    kth = -np.partition(-order, num_top - 1, axis=1)[:, num_top - 1]
+    top = np.empty((logprobs.shape[0], num_top), dtype=np.int64)
+    for row, values, threshold in zip(top, order, kth):
+        above = np.flatnonzero(values > threshold)
+        ids = np.concatenate([above, np.flatnonzero(values == threshold)[: num_top - len(above)]])
+        row[:] = ids[np.argsort(-values[ids], kind="stable")]
+    return top
