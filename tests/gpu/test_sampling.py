@@ -7,74 +7,28 @@ ranks and top ids exactly. Tests that take `split` run both kernels: rows
 spread over many blocks (where `plan_split` allows it at that shape) and one
 block per row. Both draw top-k / top-p rows from a sorted candidate list when
 it fits and by radix descents over the row when not; the random rows here
-take both paths (flat rows and large k overflow the list)."""
+take both paths (flat rows and large k overflow the list). Logprobs: test_sampling_logprobs.py;
+the parameter-free greedy kernel: test_sampling_greedy.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sparkd.backend.base import SamplingTensors
 from sparkd.backend.cpu.sampler import sample as reference_sample
 from sparkd.backend.cuda.kernels import sampling
-from sparkd.backend.dtypes import DType
+
+from .sampling_cases import (
+    device_buffers,
+    llm_like_logits,
+    pick,
+    sample_both,
+    sample_on_device,
+    sampling_tensors,
+)
 
 pytestmark = pytest.mark.gpu
 VOCABS = [1, 7, 1000, 32000, 151936]
-
-
-def llm_like_logits(rng, rows: int, vocab: int) -> np.ndarray:
-    """A broad background plus a few strong candidates per row, as real logits look."""
-    logits = 3 * rng.standard_normal((rows, vocab), dtype=np.float32)
-    for row in logits:
-        row[rng.integers(0, vocab, size=min(vocab, 5))] += 8
-    return logits
-
-
-def sampling_tensors(rng, rows: int, **fields) -> SamplingTensors:
-    """Neutral parameters (temperature 1, no filters, no penalties) with `fields` overridden."""
-    no_ids = np.full((rows, 0), -1, np.int32)
-    params = {
-        "temperature": np.ones(rows, np.float32), "top_k": np.zeros(rows, np.int32),
-        "top_p": np.ones(rows, np.float32), "min_p": np.zeros(rows, np.float32),
-        "repetition_penalty": np.ones(rows, np.float32), "presence_penalty": np.zeros(rows, np.float32),
-        "frequency_penalty": np.zeros(rows, np.float32), "prompt_token_ids": no_ids, "output_token_ids": no_ids,
-        "banned_token_ids": no_ids, "seeds": rng.integers(0, 2**64, size=rows, dtype=np.uint64),
-        "steps": rng.integers(0, 2**40, size=rows, dtype=np.int64), "num_logprobs": -1,
-    }
-    return SamplingTensors(**(params | fields))
-
-
-def sample_on_device(gpu, logits, params: SamplingTensors, split: bool = True):
-    """Through `sample_async` (which splits where it can), or with splitting off."""
-    from sparkd.backend.cuda.transfer import DownloadRing
-
-    if split:
-        return sampling.sample_async(logits, params, gpu.staging, DownloadRing(), gpu.allocator, gpu.stream).result()
-    inputs, out, workspace = device_buffers(gpu, logits, params, split=False)
-    sampling.launch_sample(out, logits, inputs, workspace, gpu.stream, split=False)
-    return out.download_async(DownloadRing(), gpu.stream).result()
-
-
-def device_buffers(gpu, logits, params: SamplingTensors, split: bool = True):
-    """(inputs, outputs, workspace or None) for `launch_sample`."""
-    inputs = sampling.upload_inputs(params, gpu.staging)
-    out = sampling.SamplerBuffers.allocate(
-        gpu.allocator, logits.shape[0], sampling.num_top_logprobs(params.num_logprobs, logits.shape[1]))
-    needs = sampling.needs_row_workspace(inputs, logits, split)
-    return inputs, out, gpu.empty(logits.shape, DType.float32) if needs else None
-
-
-def sample_both(gpu, logits: np.ndarray, params: SamplingTensors, split: bool = True):
-    """(device SamplerOutput, reference SamplerOutput); also checks the raw logits stay untouched."""
-    device_logits = gpu.upload(logits)
-    got = sample_on_device(gpu, device_logits, params, split)
-    np.testing.assert_array_equal(gpu.download(device_logits), logits)
-    return got, reference_sample(logits, params)
-
-
-def pick(rng, choices, rows, dtype):
-    return np.asarray(choices, dtype)[rng.integers(0, len(choices), size=rows)]
 
 
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -199,75 +153,6 @@ def test_all_banned_row_draws_id_zero_like_the_reference(gpu):
     np.testing.assert_array_equal(got.token_ids, [0, 0])
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 1000, 5003])
-@pytest.mark.parametrize("num_logprobs", [0, 1, 5, 20])
-@pytest.mark.parametrize("split", [True, False])
-def test_logprobs_ranks_and_top_ids_match_the_reference(gpu, split, rel_error, vocab, num_logprobs):
-    rng = np.random.default_rng(vocab * 100 + num_logprobs)
-    rows = 12
-    logits = llm_like_logits(rng, rows, vocab)
-    params = sampling_tensors(rng, rows, temperature=pick(rng, [0.0, 1.0], rows, np.float32),
-                              repetition_penalty=pick(rng, [1.0, 1.5], rows, np.float32),
-                              output_token_ids=rng.integers(0, vocab, size=(rows, 4)).astype(np.int32),
-                              num_logprobs=num_logprobs)
-    got, expected = sample_both(gpu, logits, params, split)
-    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
-    assert rel_error(got.logprobs, expected.logprobs) <= 1e-5
-    np.testing.assert_array_equal(got.ranks, expected.ranks)
-    np.testing.assert_array_equal(got.top_ids, expected.top_ids)
-    assert rel_error(got.top_logprobs, expected.top_logprobs) <= 1e-5
-
-
-@pytest.mark.parametrize("vocab", [7, 5003, 151936])
-@pytest.mark.parametrize("path", ["greedy", "split", "row"])
-def test_rows_of_nan_logprobs_give_their_lowest_ids(gpu, rel_error, path, vocab):
-    """A row of -inf logits, or one holding a NaN logit, has NaN logprobs: its top ids are its
-    lowest and its rank 1, as the reference's. Such rows once left the top-id slots unwritten and
-    read whatever shared memory held there as ids (an illegal address, seen on an H100)."""
-    rng = np.random.default_rng(vocab)
-    rows = 6
-    logits = llm_like_logits(rng, rows, vocab)
-    logits[1] = -np.inf
-    logits[4, vocab // 2] = np.nan
-    penalty = np.ones(rows, np.float32)
-    if path != "greedy":
-        penalty[0] = 1.5  # a row to process: the sampling kernels, not the greedy one
-    params = sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32), repetition_penalty=penalty,
-                              output_token_ids=rng.integers(0, vocab, size=(rows, 2)).astype(np.int32),
-                              num_logprobs=5)
-    assert sampling.is_plain_greedy(params) == (path == "greedy")
-    got, expected = sample_both(gpu, logits, params, split=path != "row")
-    np.testing.assert_array_equal(got.top_ids, expected.top_ids)
-    np.testing.assert_array_equal(got.ranks, expected.ranks)
-    nan = np.isnan(expected.top_logprobs)
-    assert nan[[1, 4]].all() and not nan[[0, 2, 3, 5]].any()
-    np.testing.assert_array_equal(np.isnan(got.top_logprobs), nan)
-    assert rel_error(got.top_logprobs[~nan], expected.top_logprobs[~nan]) <= 1e-5
-    no_nan_logit = [0, 1, 2, 3, 5]  # argmax over a NaN: numpy's is the NaN's id, the kernels' another
-    np.testing.assert_array_equal(got.token_ids[no_nan_logit], expected.token_ids[no_nan_logit])
-
-
-def test_top_logprob_ties_prefer_lower_ids(gpu):
-    """Ties straddling the K-th place: the lower ids win (as the reference's _top_ids; compared
-    with a stable sort here, independently of it)."""
-    rng = np.random.default_rng(5)
-    rows, vocab, k = 4, 3000, 20
-    logits = np.round(rng.standard_normal((rows, vocab))).astype(np.float32)
-    params = sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32), num_logprobs=k)
-    device_logits = gpu.upload(logits)
-    got = sample_on_device(gpu, device_logits, params)
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-    np.testing.assert_array_equal(got.top_ids, np.argsort(-logprobs, axis=1, kind="stable")[:, :k])
-
-
-def test_rejects_too_many_logprobs(gpu):
-    rng = np.random.default_rng(6)
-    params = sampling_tensors(rng, 1, num_logprobs=sampling.MAX_TOP_LOGPROBS + 1)
-    with pytest.raises(ValueError, match="num_logprobs must be at most"):
-        sample_on_device(gpu, gpu.upload(np.zeros((1, 100), np.float32)), params)
-
-
 def test_plan_split_spreads_small_batches_within_one_resident_wave():
     assert sampling.plan_split(1, 151936, 132, 660) == sampling.SplitPlan(splits=132, chunk=1152)
     assert sampling.plan_split(8, 151936, 132, 660) == sampling.SplitPlan(splits=38, chunk=4000)
@@ -356,68 +241,5 @@ def test_split_launch_replays_from_a_graph(gpu):
             graph.replay(gpu.stream)
             gpu.stream.synchronize()
             np.testing.assert_array_equal(gpu.download(out.token_ids), expected)
-    finally:
-        graph.destroy()
-
-
-@pytest.mark.parametrize("rows, vocab", [(1, 1), (1, 7), (1, 151936), (3, 1000), (64, 32000), (65, 5003),
-                                         (300, 2048)])
-def test_plain_greedy_steps_draw_argmax_with_no_parameters_uploaded(gpu, rel_error, monkeypatch, rows, vocab):
-    """A step whose every row is greedy with nothing to process takes the greedy kernel, which
-    reads no parameters: ties go to the lowest id, an all -inf row to id 0, as the reference."""
-    rng = np.random.default_rng(rows * vocab)
-    logits = llm_like_logits(rng, rows, vocab)
-    for row in logits[::2]:
-        row[rng.integers(0, vocab, size=3)] = row.max() + 1  # a tie at the top
-    if rows > 2:
-        logits[-1] = -np.inf
-    params = sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32), num_logprobs=2)
-    assert sampling.is_plain_greedy(params)
-    uploads = []
-    monkeypatch.setattr(gpu.staging, "upload", lambda *args, **kwargs: uploads.append(args))
-    got, expected = sample_both(gpu, logits, params)
-    assert not uploads
-    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
-    np.testing.assert_array_equal(got.token_ids, np.argmax(logits, axis=1))
-    finite = np.isfinite(expected.logprobs)
-    assert rel_error(got.logprobs[finite], expected.logprobs[finite]) <= 1e-5
-    np.testing.assert_array_equal(got.ranks, expected.ranks)
-    # Every row's, the all -inf one's too (NaN logprobs: its lowest ids); ties go to the lower ids.
-    np.testing.assert_array_equal(got.top_ids, expected.top_ids)
-    in_order = np.argsort(-logits, axis=1, kind="stable")[:, : got.top_ids.shape[1]]
-    np.testing.assert_array_equal(got.top_ids[finite], in_order[finite])
-
-
-def test_only_unprocessed_all_greedy_steps_are_plain_greedy():
-    rng = np.random.default_rng(10)
-    zeros = np.zeros(3, np.float32)
-    assert sampling.is_plain_greedy(sampling_tensors(rng, 3, temperature=zeros, top_k=np.full(3, 5, np.int32)))
-    assert not sampling.is_plain_greedy(sampling_tensors(rng, 3, temperature=np.array([0, 0, 0.5], np.float32)))
-    assert not sampling.is_plain_greedy(sampling_tensors(rng, 3, temperature=zeros,
-                                                         presence_penalty=np.array([0, 0.1, 0], np.float32)))
-    assert not sampling.is_plain_greedy(sampling_tensors(rng, 3, temperature=zeros,
-                                                         banned_token_ids=np.array([[-1], [4], [-1]], np.int32)))
-    rows = sampling.MAX_GREEDY_ROWS + 1
-    assert not sampling.is_plain_greedy(sampling_tensors(rng, rows, temperature=np.zeros(rows, np.float32)))
-
-
-def test_greedy_launch_replays_from_a_graph(gpu):
-    """The row state the greedy kernel leaves behind is clean: every replay draws the new logits' argmax."""
-    from sparkd.backend.cuda.graphs import capture
-    from sparkd.backend.cuda.transfer import copy_to_device
-
-    rng = np.random.default_rng(11)
-    rows, vocab = 2, 151936
-    logits = gpu.empty((rows, vocab), DType.float32)
-    out = sampling.SamplerBuffers.allocate(gpu.allocator, rows, -1)
-    sampling.launch_greedy(out, gpu.upload(np.zeros((rows, vocab), np.float32)), gpu.stream)  # loads the kernel
-    graph, _ = capture(gpu.stream, lambda: sampling.launch_greedy(out, logits, gpu.stream))
-    try:
-        for _ in range(3):
-            host = llm_like_logits(rng, rows, vocab)
-            copy_to_device(logits, host, gpu.stream)
-            graph.replay(gpu.stream)
-            gpu.stream.synchronize()
-            np.testing.assert_array_equal(gpu.download(out.token_ids), np.argmax(host, axis=1))
     finally:
         graph.destroy()
