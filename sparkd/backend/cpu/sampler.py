@@ -160,10 +160,11 @@ def _top_ids(logprobs: np.ndarray, num_top: int) -> np.ndarray:
     if num_top == 0:
         return np.empty((logprobs.shape[0], 0), dtype=np.int64)
     order = np.where(np.isnan(logprobs), -np.inf, logprobs)
-    kth = -np.partition(-order, num_top - 1, axis=1)[:, num_top - 1]
-    top = np.empty((logprobs.shape[0], num_top), dtype=np.int64)
-    for row, values, threshold in zip(top, order, kth):
-        above = np.flatnonzero(values > threshold)
-        ids = np.concatenate([above, np.flatnonzero(values == threshold)[: num_top - len(above)]])
-        row[:] = ids[np.argsort(-values[ids], kind="stable")]
-    return top
+    kth = -np.partition(-order, num_top - 1, axis=1)[:, num_top - 1:num_top]
+    above = order > kth
+    ties = order == kth
+    # Every id above the cut, then the lowest tied ids up to num_top: exactly num_top a row.
+    keep = above | (ties & (np.cumsum(ties, axis=1) <= num_top - above.sum(axis=1, keepdims=True)))
+    ids = np.nonzero(keep)[1].reshape(-1, num_top)  # each row's kept ids, ascending
+    by_value = np.argsort(-np.take_along_axis(order, ids, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(ids, by_value, axis=1).astype(np.int64)

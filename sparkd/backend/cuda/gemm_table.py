@@ -102,7 +102,7 @@ class GemmTable:
         """GEMV or CUBLASLT for out [m, n] = x [m, k] @ W [n, k]^T in `dtype`."""
         if not 1 <= m <= gemv.MAX_M:
             return CUBLASLT
-        entry = self.entries.get(ShapeKey(n, k, dtype.name, gemv.m_tile(m)))
+        entry = self.entries.get(ShapeKey(n, k, dtype.name, table_m_tile(m)))
         return entry.winner if entry is not None else CUBLASLT
 
     def cublaslt_algo(self, n: int, k: int, dtype: DType, m: int) -> bytes | None:
