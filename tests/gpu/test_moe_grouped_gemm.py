@@ -112,14 +112,16 @@ def test_plan_and_gemms_replay_in_a_cuda_graph_with_new_routing(gpu, rel_error, 
     check_replay_with_new_routing(gpu, rel_error, tolerance, expert_weights, moe_grouped_gemm)
 
 
+@pytest.mark.parametrize("num_tokens,grouped", [(257, True), (3, False)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_ops_moe_experts_takes_the_grouped_path_and_matches_numpy(cuda_ops_factory, rel_error, tolerance,
-                                                                       dtype):
-    """Route, align, grouped GEMMs and combine through CudaOps against the numpy twin."""
+def test_cuda_ops_moe_experts_matches_numpy_on_either_path(cuda_ops_factory, rel_error, tolerance, dtype, num_tokens,
+                                                          grouped):
+    """Align, expert GEMMs (grouped for prefill, GEMV-style for decode) and combine through
+    CudaOps against the numpy twin: the output is [T, H], each token's rows summed."""
     ops = cuda_ops_factory(dtype)
     rng = np.random.default_rng(5)
-    num_tokens, top_k, num_experts = 257, 4, 16
-    assert moe_grouped_gemm.use_grouped_gemm(num_tokens * top_k, num_experts, DType.parse(dtype))
+    top_k, num_experts = 4, 16
+    assert moe_grouped_gemm.use_grouped_gemm(num_tokens * top_k, num_experts, DType.parse(dtype)) == grouped
     expert_ids = random_choices(rng, num_tokens, top_k, np.arange(num_experts))
     weights = rng.random((num_tokens, top_k), dtype=np.float32)
     gate_up = rng.standard_normal((num_experts, 2 * ODD[1], ODD[0]), dtype=np.float32) / np.sqrt(ODD[0])

@@ -66,7 +66,8 @@ class MoeOps:
             raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T, k]")
         alignment = moe_routing.MoeAlignment.allocate(self.allocator, expert_ids.numel, gate_up.shape[0])
         moe_routing.moe_align(alignment, expert_ids, self.stream)
-        return self.combined(self._aligned_experts(x, gate_up, down, weights, alignment))
+        return self.combined(ExpertSum(self._aligned_experts(x, gate_up, down, weights, alignment), weights,
+                                       alignment.row_of_pair))
 
     def combined(self, x: DeviceTensor | ExpertSum) -> DeviceTensor:
         """x itself, or an ExpertSum's rows combined in token order: [T, H] in their dtype."""
