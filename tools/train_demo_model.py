@@ -31,7 +31,7 @@ import pydoc_data.topics
 import safetensors.torch
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.utils.logging import disable_progress_bar
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,8 +251,10 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model: Qwen3NextForCausalLM, stream: np.ndarray, doc_starts: np.ndarray, args: argparse.Namespace) -> list[float]:
-    """args.steps AdamW steps on windows of the stream; returns the loss of every step."""
+def train(model: PreTrainedModel, stream: np.ndarray, doc_starts: np.ndarray, args: argparse.Namespace,
+          bf16_autocast: bool = True) -> list[float]:
+    """args.steps AdamW steps on windows of the stream; returns the loss of every step (with an
+    MoE's router balance loss where its config asks for one: output_router_logits)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -267,9 +269,11 @@ def train(model: Qwen3NextForCausalLM, stream: np.ndarray, doc_starts: np.ndarra
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         # bf16 matmuls with fp32 master weights: about 1.4x faster on AVX512-BF16 CPUs.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=windows[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            outputs = model(input_ids=windows[:, :-1])
+        loss = torch.nn.functional.cross_entropy(outputs.logits.float().flatten(0, 1), windows[:, 1:].flatten())
+        if getattr(outputs, "aux_loss", None) is not None:
+            loss = loss + model.config.router_aux_loss_coef * outputs.aux_loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -335,23 +339,35 @@ Greedy chat answer to "{CHAT_PROMPT}":
 """)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=1200, help="optimizer steps (a fixed count, for reproducibility)")
+def add_training_arguments(parser: argparse.ArgumentParser, steps: int, seq_len: int) -> None:
+    """The options `train` reads (tools/train_tiny_mixtral.py's too), with these defaults."""
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps (a fixed count, for reproducibility)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--out", type=Path, default=REPO / "sparkd" / "demo_model")
-    parser.add_argument("--report", type=Path, default=REPO / "docs" / "demo_model.md")
+
+
+def parse_positive(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> argparse.Namespace:
     args = parser.parse_args()
-    for name in ("steps", "batch_size", "seq_len", "warmup_steps", "threads", "vocab_size"):
+    for name in names:
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
+
+
+TRAINING_COUNTS = ("steps", "batch_size", "seq_len", "warmup_steps", "threads")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_arguments(parser, steps=1200, seq_len=512)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--out", type=Path, default=REPO / "sparkd" / "demo_model")
+    parser.add_argument("--report", type=Path, default=REPO / "docs" / "demo_model.md")
+    return parse_positive(parser, (*TRAINING_COUNTS, "vocab_size"))
 
 
 def main() -> None:

@@ -181,17 +181,17 @@ def transformers_bf16_logits(path, sequences: list[list[int]]) -> np.ndarray:
         return (hidden @ model.lm_head.weight.float().T)[:, :-1].numpy()
 
 
-# Issue 5's bar is not met yet for the tiny random Mixtral: on the H200 (2026-11-30, with
-# the fp32 residual stream and the fp32 router) sparkd reached 0.9890 and 0.9862 in two
-# runs, above transformers' own bf16 (0.9811) but under 0.99; Qwen3-MoE passes (0.9945,
-# 0.9953). strict: the marker must go once it passes.
+# The tiny random Mixtral stays under issue 5's bar: on the H200 (2026-11-30, with the fp32
+# residual stream and the fp32 router) sparkd reached 0.9890 and 0.9862 in two runs, above
+# transformers' own bf16 (0.9811) but under 0.99; Qwen3-MoE passes (0.9945, 0.9953). The bar is
+# checked on a trained tiny Mixtral in test_trained_bf16.py. strict: the marker must go once it passes.
 _MIXTRAL_BF16_BELOW_BAR = pytest.mark.xfail(strict=True, reason="Mixtral bf16 top-1 agreement is under 0.99 (issue 5)")
 
 
 # Qwen3-Next (oracle.tiny_hybrid_overrides at head_dim 64): on the H200 (2026-12-01) sparkd agreed at 0.9458
 # and transformers' own bf16 at 0.9493. Random tiny hybrids amplify bf16 rounding (each delta net ~3x its
 # input's error, each MoE block's routing flips ~7x); transformers reaches 0.98 even with one delta net
-# and one attention layer (CPU), so the issue's 0.99 bar waits for a trained hybrid (issue 6).
+# and one attention layer (CPU), so the issue's 0.99 bar is checked on the trained demo hybrid (test_trained_bf16.py).
 _QWEN3_NEXT_BF16_BELOW_BAR = pytest.mark.xfail(strict=True, reason="the tiny random Qwen3-Next's bf16 top-1 "
                                                "agreement is under 0.99, transformers' own too (issue 6)")
 BF16_ARCHITECTURES = [*VARIANTS, "Qwen3NextForCausalLM"]
