@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from sparkd.engine.llm_engine import DEMO_MODEL_DIR
