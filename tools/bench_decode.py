@@ -257,10 +257,11 @@ def measure_ceilings(shape: str, fused_norms: bool = False) -> tuple[CudaOps, fl
     return ops, copy_rate, gemm_flops
 
 
-def print_engine_measures(model: Model, cases, prefill: tuple[int, float, int], steps: int, copy_rate: float,
+def print_engine_measures(model: Model, cases, prefill: tuple[int, float | None, int], steps: int, copy_rate: float,
                           gemm_flops: float, rng) -> list[float]:
     """Print the table: each (batch, context, target) decode case sequential and forward-only, the
-    (length, target, reps) prefill, then each case served. Returns the served tokens/s per case."""
+    (length, target, reps) prefill, then each case served (a target None: the issue sets none).
+    Returns the served tokens/s per case."""
     print("\n| measure | sparkd | ceiling | fraction | target |\n| --- | --- | --- | --- | --- |")
     measured = []
     for batch, context, target in cases:
@@ -281,7 +282,8 @@ def print_engine_measures(model: Model, cases, prefill: tuple[int, float, int], 
     return served
 
 
-def print_decode_row(batch: int, context: int, how: str, tokens_per_s: float, roofline: float, target: float) -> None:
+def print_decode_row(batch: int, context: int, how: str, tokens_per_s: float, roofline: float,
+                     target: float | None) -> None:
     print(f"| batch-{batch} decode, {context}-token context, {how} | {tokens_per_s:.1f} tok/s | "
           f"{roofline:.1f} tok/s | {tokens_per_s / roofline:.3f} | {verdict(tokens_per_s / roofline, target)} |",
           flush=True)
@@ -310,8 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, BATCH64_ROOFLINE))
     served = print_engine_measures(model, cases, (PREFILL_LEN, PREFILL_GEMM, 5), args.steps, copy_rate, gemm_flops, rng)
     batch1_tokens_per_s = served[0]
+    # The issue's own roofline (GPU-FACTS.md's: 16.06 GB / 4.29 TB/s = 267 tok/s, whence its 225
+    # tok/s) counts the embedding table too, which the ceiling above leaves out.
+    every_weight = copy_rate / (model.decode_weight_bytes + model.config.vocab_size * model.config.hidden_size
+                                * ops.dtype.itemsize)
+    print(f"| batch-1 decode, served, against every weight byte at the copy rate (GPU-FACTS.md's roofline) | "
+          f"{batch1_tokens_per_s:.1f} tok/s | {every_weight:.1f} tok/s | {batch1_tokens_per_s / every_weight:.3f} | "
+          f"{verdict(batch1_tokens_per_s / every_weight, BATCH1_ROOFLINE)} |", flush=True)
     print(f"| batch-1 decode, served | {batch1_tokens_per_s:.1f} tok/s | | | "
-          f"{verdict(batch1_tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s |", flush=True)
+          f"{verdict(batch1_tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s (on an H200) |", flush=True)
 
     peer = None if args.no_transformers else transformers_decode(LLAMA_3_1_8B, "llama", args.layers, PROMPT_LEN,
                                                                  PROMPT_LEN)

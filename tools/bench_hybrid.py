@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| its delta rule alone, {form} form | {rule * 1e3:.2f} ms, {100 * rule / seconds:.0f}% of the "
               f"layer | | | |", flush=True)
     model = build_model(ops, args.layers, args.steps, args.gpu_memory_utilization)
-    cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, 0.0))
-    served = print_engine_measures(model, cases, (PREFILL_LEN, 0.0, 3), args.steps, copy_rate, gemm_flops,
+    cases = ((1, PROMPT_LEN, BATCH1_ROOFLINE), (BATCH, CONTEXT, None))
+    served = print_engine_measures(model, cases, (PREFILL_LEN, None, 3), args.steps, copy_rate, gemm_flops,
                                    np.random.default_rng(0))
     peer = None if args.no_transformers else transformers_decode(QWEN3_NEXT_80B_A3B, "qwen3_next", args.layers,
                                                                  PROMPT_LEN, PEER_TOKENS, compile=False,
