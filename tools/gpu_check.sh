@@ -106,7 +106,12 @@ fi
 if [ "$PART" = all ] || [ "$PART" = new ]; then
     # Issue 6: one delta-net layer's 8k prefill (and its delta rule alone), the engine rows, transformers;
     # then one layer's batch-1 decode part by part against the copy rate.
-    run_step bench_hybrid 150 python3 tools/bench_hybrid.py
+    # Qwen3-Next's 12 layers fill sparkd's half of an 80 GB card (no room left for its KV cache);
+    # 8 keep the 3:1 pattern and leave room (H100, session 20, without the peer; the peer's copy
+    # of 8 layers, ~27 GB, is unmeasured there).
+    memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+    hybrid_layers=$([ "${memory_mib:-0}" -ge 100000 ] && echo 12 || echo 8)
+    run_step bench_hybrid 150 python3 tools/bench_hybrid.py --layers "$hybrid_layers"
     run_step bench_hybrid_decode_parts 60 python3 tools/bench_hybrid_decode_parts.py
 fi
 
