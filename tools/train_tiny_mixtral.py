@@ -5,7 +5,7 @@ Why a trained model: the bf16 test asks for >= 99% teacher-forced top-1 agreemen
 reference. Random tiny models have logits so close together that bf16 rounding flips their top-1
 (transformers' own bf16 agrees at 0.981 on the random tiny Mixtral); trained weights give decided
 logits, as a served model has. Dev-only (torch and transformers, the `test` extra); reproducible as
-train_demo_model.py is, whose corpus, windows and optimizer loop it reuses. Writes bf16 safetensors
+train_demo_model.py is, whose corpus it reuses, with its training loop (train_loop.py). Writes bf16 safetensors
 and config.json to tests/data/tiny_mixtral/, with a README of the run.
 
     python tools/train_tiny_mixtral.py            # --help for steps, lr, seed, threads
@@ -26,8 +26,9 @@ import torch
 from tokenizers import Tokenizer
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from train_demo_model import (ENDOFTEXT, IM_END, REPO, TRAINING_COUNTS, add_training_arguments, build_corpus, cpu_name,
-                              parse_positive, token_stream, train, write_json)
+from train_demo_model import ENDOFTEXT, IM_END, REPO, build_corpus
+from train_loop import (TRAINING_COUNTS, add_training_arguments, cpu_name, parse_positive, seed_torch, token_stream,
+                        train, write_json)
 
 # Mixtral's layout at the size of the random test's (tests/gpu/test_engine_cuda.py), widened to
 # the demo vocabulary: every layer sparse, renormalised top-2 of 8, GQA 4:2 at head_dim 64.
@@ -58,12 +59,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     started = time.time()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
+    seed_torch(args)
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     documents = build_corpus(random.Random(args.seed))
-    stream, doc_starts = token_stream(documents, tokenizer)
+    stream, doc_starts = token_stream(documents, tokenizer, tokenizer.token_to_id(ENDOFTEXT))
     config = model_config(tokenizer)
     model = MixtralForCausalLM(MixtralConfig(**config))
     params = sum(p.numel() for p in model.parameters())

@@ -8,13 +8,7 @@ import pytest
 
 from sparkd.backend.cuda.kernels import sampling
 
-from .sampling_cases import (
-    llm_like_logits,
-    pick,
-    sample_both,
-    sample_on_device,
-    sampling_tensors,
-)
+from .sampling_cases import llm_like_logits, pick, sample_both, sample_on_device, sampling_tensors
 
 pytestmark = pytest.mark.gpu
 
