@@ -284,9 +284,13 @@ def print_engine_measures(model: Model, cases, prefill: tuple[int, float | None,
 
 def print_decode_row(batch: int, context: int, how: str, tokens_per_s: float, roofline: float,
                      target: float | None) -> None:
-    print(f"| batch-{batch} decode, {context}-token context, {how} | {tokens_per_s:.1f} tok/s | "
-          f"{roofline:.1f} tok/s | {tokens_per_s / roofline:.3f} | {verdict(tokens_per_s / roofline, target)} |",
-          flush=True)
+    print_rate_row(f"batch-{batch} decode, {context}-token context, {how}", tokens_per_s, roofline, target)
+
+
+def print_rate_row(measure: str, tokens_per_s: float, roofline: float, target: float | None) -> None:
+    """A table row: tokens/s against a roofline in tokens/s, their fraction and its verdict."""
+    print(f"| {measure} | {tokens_per_s:.1f} tok/s | {roofline:.1f} tok/s | {tokens_per_s / roofline:.3f} | "
+          f"{verdict(tokens_per_s / roofline, target)} |", flush=True)
 
 
 def parse_bench_args(description: str, layers: int, steps: int, argv: list[str] | None) -> argparse.Namespace:
@@ -316,9 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     # tok/s) counts the embedding table too, which the ceiling above leaves out.
     every_weight = copy_rate / (model.decode_weight_bytes + model.config.vocab_size * model.config.hidden_size
                                 * ops.dtype.itemsize)
-    print(f"| batch-1 decode, served, against every weight byte at the copy rate (GPU-FACTS.md's roofline) | "
-          f"{batch1_tokens_per_s:.1f} tok/s | {every_weight:.1f} tok/s | {batch1_tokens_per_s / every_weight:.3f} | "
-          f"{verdict(batch1_tokens_per_s / every_weight, BATCH1_ROOFLINE)} |", flush=True)
+    print_rate_row("batch-1 decode, served, against every weight byte at the copy rate (GPU-FACTS.md's roofline)",
+                   batch1_tokens_per_s, every_weight, BATCH1_ROOFLINE)
     print(f"| batch-1 decode, served | {batch1_tokens_per_s:.1f} tok/s | | | "
           f"{verdict(batch1_tokens_per_s, BATCH1_TOKENS_PER_S)} tok/s (on an H200) |", flush=True)
 
