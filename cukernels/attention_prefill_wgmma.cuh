@@ -20,7 +20,7 @@ constexpr int kKeys = 64;           // keys per K / V tile: the N of S = Q K^T
 constexpr int kStages = 4;
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
 constexpr int kRowChunks = kHeadDim * 2 / kChunkBytes;                 // 16-byte chunks of a row
-constexpr int kCopyRows = kWarpgroupThreads / kRowChunks;              // rows apart of one producer thread's copies
+constexpr int kCopyRows = kWarpgroupThreads / kRowChunks;              // rows apart of one producer thread's Q copies
 constexpr int kPanels = kHeadDim / kPanelDims;
 constexpr int kQPanelBytes = kBlockRows * kRowBytes;                   // a panel of the Q tile
 constexpr int kKvPanelBytes = kKeys * kRowBytes;                       // a panel of a K or V tile
@@ -31,8 +31,8 @@ constexpr int kKvTileBytes = kPanels * kKvPanelBytes;
 constexpr int kLaunchRegisters = 168;
 constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
 static_assert(kStages >= 3, "a consumer releases tile t - 2's stage after waiting for K_t (the producer's K_t needs tile t - kStages's)");
-static_assert(kCopyRows == kSwizzleRows, "a producer thread's rows share one swizzled chunk offset");
-static_assert(kKeys % kCopyRows == 0 && kBlockRows % kCopyRows == 0, "the producer's copies cover whole tiles");
+static_assert(kCopyRows == kSwizzleRows, "a producer thread's query rows share one swizzled chunk offset");
+static_assert(kBlockRows % kCopyRows == 0, "the producer's query copies cover the Q tile");
 static_assert(kKeys == 64 && kHeadDim == 128, "S [64, kKeys] is an m64n64 and O [64, kHeadDim] an m64n128 accumulator");
 static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <= kThreads * kLaunchRegisters,
               "the register budgets fit the block's pool");
@@ -60,54 +60,100 @@ __device__ __forceinline__ Smem shared_tiles() {
 
 #if defined(SPARKD_HAS_WGMMA)
 
-constexpr int kCopiesPerTile = kKeys / kCopyRows;  // a producer thread's rows of one K or V tile
+// A producer thread's share of every K and V tile: one key row of the tile (two threads a row),
+// half of each of its two 64-dim panels. So a thread looks its key up in the block table once a
+// tile, and K and V of a tile share that lookup; the two threads of a row read its 32-byte
+// sectors whole, chunk 2c + half of a panel each in step c.
+constexpr int kThreadsPerKey = kWarpgroupThreads / kKeys;
+constexpr int kKeyChunks = kRowChunks / kThreadsPerKey;  // 16-byte chunks of a key row a thread copies
+static_assert(kThreadsPerKey == 2, "two producer threads a key row, one half of each panel's chunks each");
 
-// Copies 16 bytes at column `col` of keys key, key + kCopyRows, ... of one cache (the thread's
-// share of a tile) to dst, dst + kCopyRows rows, ...; keys >= key_end are zero-filled. Unrolled,
-// so the block-table reads are independent and in flight together, not one latency a copy.
+// Where a producer thread's key of the next tile lives: the sequence's block and the row in it.
+// Keys step kKeys a tile, so the cursor moves without a division after the first.
+struct KeyCursor {
+  int block, slot, tile_blocks, tile_slots, block_size;
+
+  __device__ KeyCursor(int key, int block_size_)
+      : block(key / block_size_), slot(key % block_size_), tile_blocks(kKeys / block_size_),
+        tile_slots(kKeys % block_size_), block_size(block_size_) {}
+
+  __device__ __forceinline__ void advance() {
+    block += tile_blocks;
+    slot += tile_slots;
+    if (slot >= block_size) {
+      slot -= block_size;
+      ++block;
+    }
+  }
+};
+
+// Copies this thread's chunks of one key row (`src`, the row's first element plus the thread's
+// half, unread when !valid: zero-filled) to its places in a K or V tile (`dst`: the tile plus
+// the row's swizzled offsets, `chunk_offsets`).
 template <typename T>
-__device__ __forceinline__ void copy_keys(unsigned char* dst, const T* cache, const PagedKV<T, kHeadDim>& kv, int key,
-                                          int key_end, int col) {
-  // One division for the first key, then the later keys step through the blocks.
-  int block = key / kv.block_size, slot = key % kv.block_size;
+__device__ __forceinline__ void copy_key_row(unsigned char* dst, const T* src, bool valid,
+                                             const int (&chunk_offsets)[kKeyChunks]) {
 #pragma unroll
-  for (int i = 0; i < kCopiesPerTile; ++i, key += kCopyRows) {
-    const bool valid = key < key_end;
-    attn::cp_async_16(dst + i * kCopyRows * kRowBytes, valid ? cache + kv.offset(block, slot) + col : cache, valid);
-    for (slot += kCopyRows; slot >= kv.block_size; slot -= kv.block_size) ++block;
+  for (int i = 0; i < kKeyChunks; ++i) {
+    // Chunk i of the thread: panel i / 4, that panel's chunk 2 (i % 4) + half.
+    const int col = i / (kKeyChunks / kPanels) * kPanelDims + i % (kKeyChunks / kPanels) * kThreadsPerKey * 8;
+    attn::cp_async_16(dst + chunk_offsets[i], src + col, valid);
   }
 }
 
-// Warpgroup 0. Thread t copies chunk t % 16 of rows t / 16 + 8 i of each tile. Tiles go in the
-// order the consumers read them, K_{t+1} before V_t (S_{t+1} is issued with P_t V_t): a stage
-// is taken (empty) for its K and gets its V one tile later.
+// Warpgroup 0. Thread t copies chunk t % 16 of query rows t / 16 + 8 i once, then key row t / 2
+// of each K and V tile (copy_key_row). Tiles go in the order the consumers read them, K_{t+1}
+// before V_t (S_{t+1} is issued with P_t V_t): a stage is taken (empty) for its K and gets its V
+// one tile later, from the block-table lookup its K made.
 template <typename T>
 __device__ __forceinline__ void produce(const Smem& smem, const T* q, const PackedRows& rows, int first_row,
                                         const PagedKV<T, kHeadDim>& kv, int key_end, int num_tiles) {
-  const int chunk = threadIdx.x % kRowChunks, first = threadIdx.x / kRowChunks;
-  const int col = chunk * kChunkBytes / static_cast<int>(sizeof(T));
-  const int q_offset = panel_offset(kBlockRows, first, chunk), kv_offset = panel_offset(kKeys, first, chunk);
+  {
+    const int chunk = threadIdx.x % kRowChunks, first = threadIdx.x / kRowChunks;
+    const int col = chunk * kChunkBytes / static_cast<int>(sizeof(T));
+    const int q_offset = panel_offset(kBlockRows, first, chunk);
 #pragma unroll
-  for (int i = 0; i < kBlockRows / kCopyRows; ++i) {
-    const int row = first_row + first + i * kCopyRows;
-    const bool valid = row < rows.count();
-    attn::cp_async_16(smem.q() + q_offset + i * kCopyRows * kRowBytes,
-                      valid ? q + rows.offset(row, kHeadDim) + col : q, valid);
+    for (int i = 0; i < kBlockRows / kCopyRows; ++i) {
+      const int row = first_row + first + i * kCopyRows;
+      const bool valid = row < rows.count();
+      attn::cp_async_16(smem.q() + q_offset + i * kCopyRows * kRowBytes,
+                        valid ? q + rows.offset(row, kHeadDim) + col : q, valid);
+    }
   }
   mbarrier_arrive_on_copies(smem.q_full());
+
+  const int key_row = threadIdx.x / kThreadsPerKey, half = threadIdx.x % kThreadsPerKey;
+  int chunk_offsets[kKeyChunks];
+#pragma unroll
+  for (int i = 0; i < kKeyChunks; ++i) {
+    const int panel = i / (kKeyChunks / kPanels), chunk = i % (kKeyChunks / kPanels) * kThreadsPerKey + half;
+    chunk_offsets[i] = panel_offset(kKeys, key_row, panel * kChunksPerRow + chunk);
+  }
+  const int col = half * kChunkBytes / static_cast<int>(sizeof(T));
+  KeyCursor cursor(key_row, kv.block_size);
   RingPosition<kStages> k_pos, v_pos;  // the stage K is copied to next, and V
+  long long v_offset = 0;              // V_t's row: the element offset K_t's lookup found
+  bool v_valid = false;
   for (int tile = -1; tile < num_tiles; ++tile) {
+    long long k_offset = 0;
+    bool k_valid = false;
     if (tile + 1 < num_tiles) {
+      // The lookup goes out before the wait, so its latency hides behind it.
+      k_valid = (tile + 1) * kKeys + key_row < key_end;
+      if (k_valid) k_offset = kv.offset(cursor.block, cursor.slot) + col;
+      cursor.advance();
       mbarrier_wait(smem.empty(k_pos.stage), k_pos.phase ^ 1);
-      copy_keys(smem.k(k_pos.stage) + kv_offset, kv.k, kv, (tile + 1) * kKeys + first, key_end, col);
+      copy_key_row(smem.k(k_pos.stage), kv.k + k_offset, k_valid, chunk_offsets);
       mbarrier_arrive_on_copies(smem.k_full(k_pos.stage));
       k_pos.advance();
     }
     if (tile >= 0) {
-      copy_keys(smem.v(v_pos.stage) + kv_offset, kv.v, kv, tile * kKeys + first, key_end, col);
+      copy_key_row(smem.v(v_pos.stage), kv.v + v_offset, v_valid, chunk_offsets);
       mbarrier_arrive_on_copies(smem.v_full(v_pos.stage));
       v_pos.advance();
     }
+    v_offset = k_offset;
+    v_valid = k_valid;
   }
   cp_async_wait_all();  // leave no copy in flight past the thread's exit
 }

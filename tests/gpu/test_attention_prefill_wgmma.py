@@ -186,7 +186,9 @@ def test_one_prompt_matches_dense_and_mma_sync(gpu, rel_error, tolerance, dtype,
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("block_size", [16, 32])
+# The producer steps each thread's key through the blocks 64 keys a tile: blocks that divide a
+# tile (8, 16, 32), that straddle it (24, 48) and that span several tiles (128).
+@pytest.mark.parametrize("block_size", [8, 16, 24, 32, 48, 128])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(32, 4), (12, 1), (8, 8)])
 def test_mixed_step_with_chunks_after_cached_context(gpu, rel_error, tolerance, dtype, block_size, num_q_heads,
                                                      num_kv_heads):
@@ -196,7 +198,7 @@ def test_mixed_step_with_chunks_after_cached_context(gpu, rel_error, tolerance, 
     check(gpu, rel_error, tolerance, batch, dtype, 128 ** -0.5)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 48])
 def test_chunked_prefill_of_long_cached_prefixes(gpu, rel_error, tolerance, block_size):
     """Chunks whose first rows already see many key tiles, and whose last tile is partial."""
     batch = make_batch(np.random.default_rng(block_size), [256, 100, 1, 77], [1280, 137, 700, 77 + 515], 32, 8, 128,
