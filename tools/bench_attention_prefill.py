@@ -3,8 +3,9 @@
   python tools/bench_attention_prefill.py [--dtype bfloat16] [--iters 20]
 
 Cases: a 4096-token prompt with Qwen3-30B-A3B heads (32 q, 4 kv), an 8192-token prompt with
-Llama-3.1-8B heads (32 q, 8 kv) and 8 prompts of 1024 with Llama heads; head_dim 128, blocks of
-16 tokens scattered over the cache. FLOPs are causal: 4 * Hq * D per (query, visible key).
+Llama-3.1-8B heads (32 q, 8 kv) and 8 prompts of 1024 with Llama heads; then the ones that place
+the wgmma kernel's MIN_QUERY_LEN: one prompt of 1024 and of 512, 16 of 512 and 16 of 128; head_dim
+128, blocks of 16 tokens scattered over the cache. FLOPs are causal: 4 * Hq * D per (query, visible key).
 As in bench_attention.py, each case cycles through caches worth twice the L2 and the timed
 launches are replayed from one CUDA graph.
 """
@@ -24,7 +25,9 @@ from sparkd.backend.cuda.kernels import attention, attention_prefill_wgmma  # no
 from sparkd.backend.dtypes import DType  # noqa: E402
 
 CASES = (("Qwen3-30B-A3B, one prompt", 4, [4096]), ("Llama-3.1-8B, one prompt", 8, [8192]),
-         ("Llama-3.1-8B, 8 prompts", 8, [1024] * 8))
+         ("Llama-3.1-8B, 8 prompts", 8, [1024] * 8), ("Qwen3-30B-A3B, one prompt", 4, [1024]),
+         ("Qwen3-30B-A3B, one prompt", 4, [512]), ("Llama-3.1-8B, 16 prompts", 8, [512] * 16),
+         ("Qwen3-30B-A3B, 16 prompts", 4, [128] * 16))
 KERNELS = (("mma.sync", attention.prefill_attention), ("wgmma", attention_prefill_wgmma.prefill_attention_wgmma))
 
 

@@ -49,9 +49,11 @@ def _spec(dtype: DType) -> KernelSpec:
 SPECS = [_spec(dtype) for dtype in DTYPES]
 
 
-# Measured on the H200 (docs/benchmarks.md, run 32, tools/bench_attention_prefill.py): against
-# mma.sync, one 4096-token prompt 1.08x and one of 8192 1.14x, but 8 prompts of 1024 0.98x.
-MIN_QUERY_LEN = 4096
+# Measured on an H100 (docs/benchmarks.md, session 22, tools/bench_attention_prefill.py), against
+# mma.sync: one prompt of 1024 tokens 1.84x, 8 of 1024 1.23x, one of 4096 1.52x; below a
+# 1024-token query it depends on the batch (one prompt of 512 1.57x, 16 of 512 0.95x, 16 of
+# 128 0.68x), so the rule stops at 1024. The serving default of 2048 tokens a step is above it.
+MIN_QUERY_LEN = 1024
 
 
 def use_wgmma_prefill(device_arch: str, dtype: DType, head_dim: int, max_query_len: int) -> bool:
