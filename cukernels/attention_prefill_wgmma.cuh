@@ -87,17 +87,24 @@ struct KeyCursor {
   }
 };
 
+// Chunk i of a key row's thread `half`, as a chunk of the row (kChunksPerRow to a panel): panel
+// i / 4, that panel's chunk 2 (i % 4) + half.
+__device__ __forceinline__ int key_row_chunk(int i, int half) {
+  constexpr int kPanelChunks = kKeyChunks / kPanels;  // a thread's chunks of one panel
+  return i / kPanelChunks * kChunksPerRow + i % kPanelChunks * kThreadsPerKey + half;
+}
+
 // Copies this thread's chunks of one key row (`src`, the row's first element plus the thread's
 // half, unread when !valid: zero-filled) to its places in a K or V tile (`dst`: the tile plus
 // the row's swizzled offsets, `chunk_offsets`).
 template <typename T>
 __device__ __forceinline__ void copy_key_row(unsigned char* dst, const T* src, bool valid,
                                              const int (&chunk_offsets)[kKeyChunks]) {
+  constexpr int kChunkElems = kChunkBytes / static_cast<int>(sizeof(T));
 #pragma unroll
   for (int i = 0; i < kKeyChunks; ++i) {
-    // Chunk i of the thread: panel i / 4, that panel's chunk 2 (i % 4) + half.
-    const int col = i / (kKeyChunks / kPanels) * kPanelDims + i % (kKeyChunks / kPanels) * kThreadsPerKey * 8;
-    attn::cp_async_16(dst + chunk_offsets[i], src + col, valid);
+    // src already holds the thread's half: its chunk i starts key_row_chunk(i, 0) chunks on.
+    attn::cp_async_16(dst + chunk_offsets[i], src + key_row_chunk(i, 0) * kChunkElems, valid);
   }
 }
 
@@ -125,10 +132,7 @@ __device__ __forceinline__ void produce(const Smem& smem, const T* q, const Pack
   const int key_row = threadIdx.x / kThreadsPerKey, half = threadIdx.x % kThreadsPerKey;
   int chunk_offsets[kKeyChunks];
 #pragma unroll
-  for (int i = 0; i < kKeyChunks; ++i) {
-    const int panel = i / (kKeyChunks / kPanels), chunk = i % (kKeyChunks / kPanels) * kThreadsPerKey + half;
-    chunk_offsets[i] = panel_offset(kKeys, key_row, panel * kChunksPerRow + chunk);
-  }
+  for (int i = 0; i < kKeyChunks; ++i) chunk_offsets[i] = panel_offset(kKeys, key_row, key_row_chunk(i, half));
   const int col = half * kChunkBytes / static_cast<int>(sizeof(T));
   KeyCursor cursor(key_row, kv.block_size);
   RingPosition<kStages> k_pos, v_pos;  // the stage K is copied to next, and V
