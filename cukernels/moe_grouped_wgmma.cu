@@ -2,36 +2,48 @@
 // tensor cores (wgmma, sm_90a; wgmma.cuh). The operands, outputs and tile plan are those of
 // moe_grouped_gemm.cu (its header gives the shapes and the alignment's outputs): a tile is
 // kTileM = 128 sorted rows of one expert against kTileN = 256 weight rows, M-tiles numbered by
-// moe_tile_plan_kernel's tile_starts. What differs is how a tile is computed, and that the
-// grid is persistent.
+// moe_tile_plan_kernel's tile_starts. What differs is how a tile is computed, that the grid is
+// persistent, and that the blocks run in clusters of kCluster that share weight tiles.
 //
 // A block is 3 warpgroups. Warpgroup 0, the producer, streams 64-wide K slices of the tile's
-// activation rows (gathered through sorted_pairs for gate_up: TMA cannot gather) and weight
-// rows into a kStages-deep ring of shared-memory stages with cp.async; each stage's copies
-// complete on its `full` mbarrier. Warpgroups 1 and 2, the consumers, own 64 rows each: per
-// slice, 4 wgmma m64n256k16 reading both operands from shared memory through descriptors, the
-// 64 x 256 fp32 accumulators in registers (128 a thread). One slice's wgmmas stay in flight
-// while the next are issued; a stage goes back to the producer (`empty` mbarrier) once the
-// wgmmas reading it have completed. setmaxnreg gives the producer 56 registers a thread and
-// the consumers 224. A consumer whose 64 rows all lie past its expert's skips its wgmmas, so
+// activation rows (gathered through sorted_pairs for gate_up: TMA cannot gather) with cp.async,
+// and of its weight rows with TMA (tma.cuh), into a kStages-deep ring of shared-memory stages;
+// each stage's copies complete on its `full` mbarrier. Warpgroups 1 and 2, the consumers, own 64
+// rows each: per slice, 4 wgmma m64n256k16 reading both operands from shared memory through
+// descriptors, the 64 x 256 fp32 accumulators in registers (128 a thread). One slice's wgmmas
+// stay in flight while the next are issued; a stage goes back to the producers (`empty` mbarrier)
+// once the wgmmas reading it have completed. setmaxnreg gives the producer 56 registers a thread
+// and the consumers 224. A consumer whose 64 rows all lie past its expert's skips its wgmmas, so
 // an expert's last M-tile of at most 64 rows costs about half a tile.
 //
-// Persistent: gridDim.x is at most the number of SMs, and block b takes tiles b, b + gridDim.x,
-// ... of the tile_starts[E] * (weight tiles) tiles, in groups of kGroupM M-tiles, M fastest
-// within a group (so the blocks running together share a few experts' weight tiles in L2).
-// Producer and consumers walk the same tiles, so the producer fills the next tile's stages
+// Weight tiles shared by a cluster: the kCluster blocks of a cluster take kCluster consecutive
+// M-tiles of one expert (a "cluster tile"; block r the r-th, none where the expert has fewer)
+// against the same weight tile, so they need the same weight slices: with kCluster = 2, block r
+// loads half r of each slice (128 weight rows) and multicasts it into both blocks' stages, so a
+// weight byte leaves L2 once for two M-tiles; with kCluster = 1 the block loads both halves. A stage is therefore free only once every
+// block of the cluster has consumed it: each consumer warp arrives on the `empty` barrier of every
+// block of its cluster, and the producers wait for all of those arrivals.
+//
+// Persistent: gridDim.x is at most the number of SMs, and cluster c takes cluster tiles c, c +
+// (clusters), ... of the cluster tiles times the weight tiles, in groups of kGroupM M-tiles, M
+// fastest within a group (so the blocks running together share a few experts' weight tiles in
+// L2). Producer and consumers walk the same tiles, so the producer fills the next tile's stages
 // while the consumers store the last one's outputs. The grid depends on (P, E, N) and the SM
 // count only, so launches are graph-capturable.
 //
 // A stage is A [kTileM rows] then B [kTileN rows] of 128-byte rows (64 K elements) in the
 // 128-byte swizzle, each stage on a 1024-byte boundary: the layout a wgmma descriptor with
-// swizzle mode 1 describes. Rows past the expert's, weight rows past N and K past its end are
-// zero-filled, never read.
+// swizzle mode 1 describes, and the one TMA writes with CU_TENSOR_MAP_SWIZZLE_128B. Rows past the
+// expert's, weight rows past N and K past its end are zero-filled, never read.
 #include "attention_mma.cuh"
+#include "cluster.cuh"
+#include "moe_route.cuh"  // kMaxExperts
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 using namespace sparkd;
 using namespace sparkd::wgmma;
+using sparkd::tma::TensorMap;
 using attn::cp_async_16;
 using attn::pack_pair;
 using attn::smem_addr;
@@ -45,6 +57,7 @@ constexpr int kConsumers = kTileM / kConsumerRows;
 constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
 constexpr int kStages = 4;
 constexpr int kGroupM = 8;  // M-tiles per raster group
+constexpr int kHalfBytes = kHalfN * kRowBytes;  // one TMA box: 128 weight rows of a 64-wide K slice
 constexpr int kStageBytes = (kTileM + kTileN) * kRowBytes;
 // setmaxnreg moves registers within the block's pool, the 168 a thread ptxas gives a block of
 // 384 threads under __launch_bounds__(kThreads, 1) (the launcher checks the count): the
@@ -59,50 +72,77 @@ static_assert(kStageBytes % kSwizzleBytes == 0 && (kConsumerRows * kRowBytes) % 
 static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <= kThreads * kLaunchRegisters,
               "the register budgets fit the block's pool");
 static_assert(kTileN / 2 == kM64N256Outputs, "a consumer's 64 x 256 accumulators are one m64n256 wgmma's");
+static_assert(kHalfBytes % kSwizzleBytes == 0, "each half of B starts on a swizzle period");
 
-// A tile: sorted rows [row0, row_end) of `expert`, row_end - row0 <= kTileM, against weight tile n_block.
+// A tile: sorted rows [row0, row_end) of `expert`, row_end - row0 <= kTileM (none: row0 ==
+// row_end), against weight tile n_block.
 struct Tile {
   int expert, row0, row_end, n_block;
 };
 
-// The tiles of one launch, from moe_tile_plan_kernel's plan.
+// The tiles of one launch as this block sees them: cluster tile t of expert e is its M-tiles
+// tile_starts[e] + kCluster * (t - cluster_starts[e]) + rank, the ones below tile_starts[e + 1].
+template <int kCluster>
 struct TileWalk {
-  const int* tile_starts;
+  const int* tile_starts;     // [E + 1], global
+  const int* cluster_starts;  // [E + 1], shared: sum over e' < e of ceil(M-tiles of e' / kCluster)
   const int* offsets;
-  int num_experts, num_n, num_tiles;
+  int num_experts, num_n, num_tiles, rank;  // num_tiles: cluster tiles times num_n
 
-  // The index-th tile in raster order: groups of kGroupM M-tiles times the num_n weight tiles,
-  // M fastest within a group.
+  // The index-th cluster tile in raster order (groups of kGroupM / kCluster cluster tiles times
+  // the num_n weight tiles, M fastest within a group), as this block's rank takes it.
   __device__ Tile tile(int index) const {
+    constexpr int kGroup = kGroupM / kCluster;
     const int m_tiles = num_tiles / num_n;
-    const int group = index / (kGroupM * num_n), in_group = index % (kGroupM * num_n);
-    const int group_m = min(m_tiles - group * kGroupM, kGroupM);
-    const int m_tile = group * kGroupM + in_group % group_m;
+    const int group = index / (kGroup * num_n), in_group = index % (kGroup * num_n);
+    const int group_m = min(m_tiles - group * kGroup, kGroup);
+    const int m_tile = group * kGroup + in_group % group_m;
     // The owner is the last expert starting at or before m_tile (experts with no rows start
     // where the next one does, so they come first).
     int lo = 0, hi = num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (__ldg(tile_starts + mid) <= m_tile) lo = mid;
+      if (cluster_starts[mid] <= m_tile) lo = mid;
       else hi = mid - 1;
     }
+    const int own_tile = __ldg(tile_starts + lo) + kCluster * (m_tile - cluster_starts[lo]) + rank;
+    const int expert_end = __ldg(offsets + lo + 1);
     Tile tile;
     tile.expert = lo;
-    tile.row0 = __ldg(offsets + lo) + (m_tile - __ldg(tile_starts + lo)) * kTileM;
-    tile.row_end = min(__ldg(offsets + lo + 1), tile.row0 + kTileM);
+    tile.row0 = min(__ldg(offsets + lo) + (own_tile - __ldg(tile_starts + lo)) * kTileM, expert_end);
+    tile.row_end = min(expert_end, tile.row0 + kTileM);
     tile.n_block = in_group / group_m;
     return tile;
   }
 };
 
-// A producer thread's sources for one tile: A rows first_row + i * kCopyRowStep (nullptr past
-// the tile's rows); B row r is row r % kHalfN of half r / kHalfN, which starts at b_half[half]
-// and has b_rows[half] rows (<= 0: none).
+// cluster_starts[e] for e <= E from tile_starts, by the block's first warp (a scan over 32
+// experts a step); the caller synchronises before the block reads it.
+template <int kCluster>
+__device__ __forceinline__ void scan_cluster_starts(const int* tile_starts, int num_experts, int* cluster_starts) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  int carry = 0;
+  for (int base = 0; base < num_experts; base += 32) {
+    const int e = base + lane;
+    const int m_tiles = e < num_experts ? __ldg(tile_starts + e + 1) - __ldg(tile_starts + e) : 0;
+    int sum = (m_tiles + kCluster - 1) / kCluster;
+#pragma unroll
+    for (int step = 1; step < 32; step *= 2) {
+      const int before = __shfl_up_sync(kFullMask, sum, step);
+      if (lane >= step) sum += before;
+    }
+    if (e < num_experts) cluster_starts[e + 1] = carry + sum;
+    carry += __shfl_sync(kFullMask, sum, 31);
+  }
+  if (lane == 0) cluster_starts[0] = 0;
+}
+
+// A producer thread's activation rows of one tile: rows first_row + i * kCopyRowStep (nullptr
+// past the tile's rows).
 template <typename T>
 struct TileSources {
   const T* a[kTileM / kCopyRowStep];
-  const T* b_half[2];
-  int b_rows[2];
 };
 
 // The stages and their barriers in dynamic shared memory, from its first swizzle-period boundary:
@@ -162,12 +202,13 @@ __device__ __forceinline__ void store_tile_rows(const Tile& tile, int consumer, 
 
 // hidden[row, c] = silu(x[tok] . gate[e, c]) * (x[tok] . up[e, c]) for every sorted row of
 // expert e, tok = sorted_pairs[row] / top_k; silu(g) = g / (1 + exp(-g)).
-// hidden [P, I] contiguous, x [T, H] (row stride ld_x), gate_up [E, 2I, H] contiguous.
+// hidden [P, I] contiguous, x [T, H] (row stride ld_x); the weights gate_up [E, 2I, H] contiguous,
+// read through `weights`, a map of them as [2E, I, H] (a box: 128 rows of 64 elements).
 template <typename T>
 struct GateUpProblem {
   T* hidden;
   const T* x;
-  const T* gate_up;
+  const TensorMap* weights;
   const int* sorted_pairs;
   int top_k, hidden_size, inter_size;
   long long ld_x;
@@ -176,18 +217,18 @@ struct GateUpProblem {
   __device__ int weight_tiles() const { return (inter_size + kHalfN - 1) / kHalfN; }
   __device__ const T* any_valid() const { return x; }
 
-  // B's halves are gate rows c0 .. c0 + 127 and the same up rows, c0 = n_block * kHalfN.
   __device__ void sources(const Tile& tile, int first_row, TileSources<T>& src) const {
 #pragma unroll
     for (int i = 0; i < kTileM / kCopyRowStep; ++i) {
       const int row = tile.row0 + first_row + i * kCopyRowStep;
       src.a[i] = row < tile.row_end ? x + static_cast<long long>(__ldg(sorted_pairs + row) / top_k) * ld_x : nullptr;
     }
-    const int col0 = tile.n_block * kHalfN;
-    const T* gate = gate_up + (static_cast<long long>(tile.expert) * 2 * inter_size + col0) * hidden_size;
-    src.b_half[0] = gate;
-    src.b_half[1] = gate + static_cast<long long>(inter_size) * hidden_size;
-    src.b_rows[0] = src.b_rows[1] = inter_size - col0;
+  }
+
+  // B's halves are gate rows c0 .. c0 + 127 and the same up rows, c0 = n_block * kHalfN: rows
+  // c0.. of matrices 2e and 2e + 1 of the map.
+  __device__ int2 b_box(const Tile& tile, int half) const {
+    return make_int2(tile.n_block * kHalfN, 2 * tile.expert + half);
   }
 
   // A consumer's accumulator column groups 0-15 are gate columns, 16-31 the matching up columns,
@@ -208,30 +249,30 @@ struct GateUpProblem {
 };
 
 // expert_out[row, h] = hidden[row] . down[e, h] for every sorted row of expert e, summed in fp32
-// and rounded to T. expert_out [P, H], hidden [P, I], down [E, H, I], all in T and contiguous.
+// and rounded to T. expert_out [P, H], hidden [P, I], all in T and contiguous; the weights down
+// [E, H, I] contiguous, read through `weights`, a map of them as such (a box: 128 rows of 64).
 template <typename T>
 struct DownProblem {
   T* expert_out;
   const T* hidden;
-  const T* down;
+  const TensorMap* weights;
   int hidden_size, inter_size;
 
   __device__ int k_size() const { return inter_size; }
   __device__ int weight_tiles() const { return (hidden_size + kTileN - 1) / kTileN; }
   __device__ const T* any_valid() const { return hidden; }
 
-  // B is down rows h0 .. h0 + 255 of the expert, h0 = n_block * kTileN, in two halves.
   __device__ void sources(const Tile& tile, int first_row, TileSources<T>& src) const {
 #pragma unroll
     for (int i = 0; i < kTileM / kCopyRowStep; ++i) {
       const int row = tile.row0 + first_row + i * kCopyRowStep;
       src.a[i] = row < tile.row_end ? hidden + static_cast<long long>(row) * inter_size : nullptr;
     }
-    const int h0 = tile.n_block * kTileN;
-    src.b_half[0] = down + (static_cast<long long>(tile.expert) * hidden_size + h0) * inter_size;
-    src.b_half[1] = src.b_half[0] + static_cast<long long>(kHalfN) * inter_size;
-    src.b_rows[0] = hidden_size - h0;
-    src.b_rows[1] = hidden_size - h0 - kHalfN;
+  }
+
+  // B is down rows h0 .. h0 + 255 of the expert, h0 = n_block * kTileN, in two halves.
+  __device__ int2 b_box(const Tile& tile, int half) const {
+    return make_int2(tile.n_block * kTileN + half * kHalfN, tile.expert);
   }
 
   __device__ void store(const Tile& tile, int consumer, const float (&acc)[kM64N256Outputs]) const {
@@ -246,36 +287,49 @@ struct DownProblem {
 
 #if defined(SPARKD_HAS_WGMMA)
 
-// Warpgroup 0: fills the ring, one K slice of the tile's A and B rows per stage. Thread t
-// copies 16-byte chunk t % 8 of rows t / 8 + i * kCopyRowStep of A and of B.
-template <typename T, typename Problem>
-__device__ __forceinline__ void produce(const Problem& problem, const Ring& ring, const TileWalk& walk) {
+// The weight half `half` of a stage, into every block of the cluster (kCluster 2) or this one.
+template <int kCluster, typename Problem>
+__device__ __forceinline__ void load_weight_half(const Problem& problem, const Ring& ring, int stage, const Tile& tile,
+                                                 int half, int k0) {
+  const unsigned dst = smem_addr(ring.b_tile(stage)) + half * kHalfBytes;
+  const int2 box = problem.b_box(tile, half);
+  if constexpr (kCluster == 1) {
+    tma::load_box_3d(dst, *problem.weights, ring.full(stage), k0, box.x, box.y);
+  } else {
+    tma::load_box_3d_multicast(dst, *problem.weights, ring.full(stage), k0, box.x, box.y, (1 << kCluster) - 1);
+  }
+}
+
+// Warpgroup 0: fills the ring, one K slice of the tile's A and B rows per stage. Thread t copies
+// 16-byte chunk t % 8 of A rows t / 8 + i * kCopyRowStep; thread 0 also expects the stage's B
+// bytes and asks TMA for this block's share of them.
+template <typename T, int kCluster, typename Problem>
+__device__ __forceinline__ void produce(const Problem& problem, const Ring& ring, const TileWalk<kCluster>& walk) {
   constexpr int kChunkElems = kChunkBytes / static_cast<int>(sizeof(T));
-  constexpr int kHalfRows = kHalfN / kCopyRowStep;  // a thread's rows in one half of B
   const int chunk = threadIdx.x % kChunksPerRow, first_row = threadIdx.x / kChunksPerRow;
   const int offset = swizzled_offset(first_row, chunk);
   const int k_size = problem.k_size(), num_slices = (k_size + kTileK - 1) / kTileK;
+  if (threadIdx.x == 0) tma::prefetch_map(*problem.weights);
   RingPosition<kStages> pos;
-  for (int index = blockIdx.x; index < walk.num_tiles; index += gridDim.x) {
+  for (int index = tma::cluster_index(); index < walk.num_tiles; index += tma::cluster_count()) {
+    const Tile tile = walk.tile(index);
     TileSources<T> src;
-    problem.sources(walk.tile(index), first_row, src);
+    problem.sources(tile, first_row, src);
     for (int slice = 0; slice < num_slices; ++slice) {
       const int col = slice * kTileK + chunk * kChunkElems;
       const bool k_valid = col < k_size;
+      // Every block's consumers have freed the stage: its B lands in all of them.
       mbarrier_wait(ring.empty(pos.stage), pos.phase ^ 1);
+      if (threadIdx.x == 0) {
+        tma::mbarrier_arrive_expect_tx(ring.full(pos.stage), kTileN * kRowBytes);
+        for (int half = walk.rank; half < 2; half += kCluster)
+          load_weight_half<kCluster>(problem, ring, pos.stage, tile, half, slice * kTileK);
+      }
       unsigned char* a_dst = ring.a_tile(pos.stage) + offset;
 #pragma unroll
       for (int i = 0; i < kTileM / kCopyRowStep; ++i) {
         const bool valid = k_valid && src.a[i] != nullptr;
         cp_async_16(a_dst + i * kCopyRowStep * kRowBytes, valid ? src.a[i] + col : problem.any_valid(), valid);
-      }
-      unsigned char* b_dst = ring.b_tile(pos.stage) + offset;
-#pragma unroll
-      for (int i = 0; i < kTileN / kCopyRowStep; ++i) {
-        const int half = i / kHalfRows, row = first_row + (i % kHalfRows) * kCopyRowStep;
-        const bool valid = k_valid && row < src.b_rows[half];
-        const T* from = src.b_half[half] + static_cast<long long>(row) * k_size + col;
-        cp_async_16(b_dst + i * kCopyRowStep * kRowBytes, valid ? from : problem.any_valid(), valid);
       }
       mbarrier_arrive_on_copies(ring.full(pos.stage));
       pos.advance();
@@ -284,21 +338,26 @@ __device__ __forceinline__ void produce(const Problem& problem, const Ring& ring
   cp_async_wait_all();  // leave no copy in flight past the thread's exit
 }
 
-// The stage's wgmmas have completed for this warp: one of the stage's kConsumers * 4 arrivals.
+// The stage's wgmmas have completed for this warp: one of the stage's kCluster * kConsumers * 4
+// arrivals, on the stage's barrier in every block of the cluster (their producers fill it next).
+template <int kCluster>
 __device__ __forceinline__ void release(const Ring& ring, int stage) {
   __syncwarp();
-  if (threadIdx.x % 32 == 0) mbarrier_arrive(ring.empty(stage));
+  if (threadIdx.x % 32 == 0) {
+#pragma unroll
+    for (int rank = 0; rank < kCluster; ++rank) tma::mbarrier_arrive_in_block(ring.empty(stage), rank);
+  }
 }
 
 // Warpgroups 1 and 2: consumer c computes tile rows 64c .. 64c + 63 against all 256 weight rows.
-template <typename T, typename Problem>
-__device__ __forceinline__ void consume(const Problem& problem, const Ring& ring, const TileWalk& walk) {
+template <typename T, int kCluster, typename Problem>
+__device__ __forceinline__ void consume(const Problem& problem, const Ring& ring, const TileWalk<kCluster>& walk) {
   constexpr int kSteps = kTileK * 2 / kStepBytes;  // wgmmas per slice
   const int consumer = threadIdx.x / kWarpgroupThreads - 1;
   const int num_slices = (problem.k_size() + kTileK - 1) / kTileK;
   RingPosition<kStages> pos;
   float acc[kM64N256Outputs];
-  for (int index = blockIdx.x; index < walk.num_tiles; index += gridDim.x) {
+  for (int index = tma::cluster_index(); index < walk.num_tiles; index += tma::cluster_count()) {
     const Tile tile = walk.tile(index);
     const bool active = tile.row0 + consumer * kConsumerRows < tile.row_end;
 #pragma unroll
@@ -318,68 +377,78 @@ __device__ __forceinline__ void consume(const Problem& problem, const Ring& ring
         wgmma_wait<1>();  // the previous slice's wgmmas are done
         fence_operands(acc);
       }
-      if (slice > 0) release(ring, previous);
+      if (slice > 0) release<kCluster>(ring, previous);
       previous = pos.stage;
       pos.advance();
     }
     wgmma_wait<0>();
     fence_operands(acc);
-    if (num_slices > 0) release(ring, previous);
+    if (num_slices > 0) release<kCluster>(ring, previous);
     if (active) problem.store(tile, consumer, acc);
   }
 }
 
 #endif  // SPARKD_HAS_WGMMA
 
-// The body of both kernels: barriers, then one role per warpgroup.
-template <typename T, typename Problem>
+// The body of both kernels: barriers and the cluster tiles' starts, then one role per warpgroup.
+template <typename T, int kCluster, typename Problem>
 __device__ __forceinline__ void run_tiles(const Problem& problem, const int* tile_starts, const int* offsets,
                                           int num_experts) {
 #if defined(SPARKD_HAS_WGMMA)
+  __shared__ int cluster_starts[kMaxExperts + 1];
   const Ring ring = shared_ring();
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < kStages; ++stage) {
-      mbarrier_init(ring.full(stage), kWarpgroupThreads);            // every producer thread's copies
-      mbarrier_init(ring.empty(stage), kConsumers * kWarpsPerConsumer);  // every consumer warp
+      // Every producer thread's copies and thread 0's expected weight bytes.
+      mbarrier_init(ring.full(stage), kWarpgroupThreads + 1);
+      mbarrier_init(ring.empty(stage), kCluster * kConsumers * kWarpsPerConsumer);  // every consumer warp of the cluster
     }
     mbarrier_init_fence();
   }
-  __syncthreads();
+  scan_cluster_starts<kCluster>(tile_starts, num_experts, cluster_starts);
+  // The other blocks' barriers are initialised before anything arrives on them or lands in them.
+  cluster_barrier();
   const int num_n = problem.weight_tiles();
-  const TileWalk walk{tile_starts, offsets, num_experts, num_n, __ldg(tile_starts + num_experts) * num_n};
+  const TileWalk<kCluster> walk{tile_starts, cluster_starts, offsets, num_experts, num_n,
+                                cluster_starts[num_experts] * num_n, tma::cluster_rank()};
   if (threadIdx.x < kWarpgroupThreads) {
     setmaxnreg_dec<kProducerRegisters>();
-    produce<T>(problem, ring, walk);
+    produce<T, kCluster>(problem, ring, walk);
   } else {
     setmaxnreg_inc<kConsumerRegisters>();
-    consume<T>(problem, ring, walk);
+    consume<T, kCluster>(problem, ring, walk);
   }
+  // No block exits while another may still multicast into it or arrive on its barriers.
+  cluster_barrier();
 #else
   __trap();  // built for another target: the host launches these on sm_90 only
 #endif
 }
 
-// Launch (both kernels): grid min(SMs, num_slots * weight tiles) with num_slots = ceil(P / kTileM)
-// + min(E, P), kThreads threads, dynamic shared memory kSwizzleBytes + kStages * kStageBytes +
-// 16 * kStages (alignment slack, stages, barriers). Preconditions (checked by the launcher): H,
-// I and ld_x are whole 16-byte chunks; the operands are 16-byte aligned; tile_starts is
-// moe_tile_plan_kernel's plan of offsets.
-template <typename T>
+// Launch (both kernels): clusters of kCluster blocks along x, a grid of kCluster times at most
+// the clusters the device holds at once and at most min(SMs, num_cluster_slots * weight tiles),
+// num_cluster_slots = ceil(P / (kCluster * kTileM)) + min(E, P); kThreads threads, dynamic
+// shared memory kSwizzleBytes + kStages * kStageBytes + 16 * kStages (alignment slack, stages,
+// barriers). `weights`: a tensor map of the weights as each problem names, 128-byte swizzle, a
+// box of 64 x 128 x 1. Preconditions (checked by the launcher): H, I and ld_x are whole 16-byte
+// chunks; the operands are 16-byte aligned; tile_starts is moe_tile_plan_kernel's plan of
+// offsets; E <= kMaxExperts.
+template <typename T, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_grouped_gate_up_wgmma_kernel(T* __restrict__ hidden, const T* __restrict__ x, const T* __restrict__ gate_up,
-                                     const int* __restrict__ sorted_pairs, const int* __restrict__ offsets,
-                                     const int* __restrict__ tile_starts, int num_experts, int top_k, int hidden_size,
-                                     int inter_size, long long ld_x) {
-  const GateUpProblem<T> problem{hidden, x, gate_up, sorted_pairs, top_k, hidden_size, inter_size, ld_x};
-  run_tiles<T>(problem, tile_starts, offsets, num_experts);
+    moe_grouped_gate_up_wgmma_kernel(T* __restrict__ hidden, const T* __restrict__ x,
+                                     const __grid_constant__ TensorMap weights, const int* __restrict__ sorted_pairs,
+                                     const int* __restrict__ offsets, const int* __restrict__ tile_starts,
+                                     int num_experts, int top_k, int hidden_size, int inter_size, long long ld_x) {
+  const GateUpProblem<T> problem{hidden, x, &weights, sorted_pairs, top_k, hidden_size, inter_size, ld_x};
+  run_tiles<T, kCluster>(problem, tile_starts, offsets, num_experts);
 }
 
-template <typename T>
+template <typename T, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_grouped_down_wgmma_kernel(T* __restrict__ expert_out, const T* __restrict__ hidden,
-                                  const T* __restrict__ down, const int* __restrict__ offsets,
+                                  const __grid_constant__ TensorMap weights, const int* __restrict__ offsets,
                                   const int* __restrict__ tile_starts, int num_experts, int hidden_size,
                                   int inter_size) {
-  const DownProblem<T> problem{expert_out, hidden, down, hidden_size, inter_size};
-  run_tiles<T>(problem, tile_starts, offsets, num_experts);
+  const DownProblem<T> problem{expert_out, hidden, &weights, hidden_size, inter_size};
+  run_tiles<T, kCluster>(problem, tile_starts, offsets, num_experts);
 }

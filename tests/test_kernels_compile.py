@@ -21,6 +21,7 @@ from sparkd.backend.cuda.compiler import (  # noqa: E402
     toolkit_options,
 )
 from sparkd.backend.cuda.launch import dim3, pack_args  # noqa: E402
+from sparkd.backend.cuda.tensor_map import TensorMap  # noqa: E402
 from sparkd.backend.cuda.tensor import DeviceTensor  # noqa: E402
 from sparkd.backend.dtypes import DType  # noqa: E402
 
@@ -134,6 +135,20 @@ def test_pack_args_puts_each_value_in_its_own_slot():
     assert raw[4].view(np.uint64)[0] == 2**63
     assert raw[5, :4].view(np.float32)[0] == 1.5
     np.testing.assert_array_equal(pointers, slots.ctypes.data + 8 * np.arange(len(args)))
+
+
+def test_pack_args_points_a_tensor_map_argument_at_its_own_128_bytes():
+    words = np.arange(16, dtype=np.uint64) * 0x0101_0101
+    tensor_map = TensorMap(words)
+    slots, pointers = pack_args([np.int32(3), tensor_map, np.int32(4)])
+    assert pointers[1] == words.ctypes.data
+    assert pointers[0] == slots.ctypes.data and pointers[2] == slots.ctypes.data + 16
+    assert slots[2] == 4
+
+
+def test_a_tensor_map_is_sixteen_words():
+    with pytest.raises(ValueError, match="16 uint64 words"):
+        TensorMap(np.zeros(15, dtype=np.uint64))
 
 
 @pytest.mark.parametrize("bad", [3, 2.5, np.float64(1.0), "x"])

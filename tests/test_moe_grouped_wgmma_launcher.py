@@ -12,7 +12,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 from device_fakes import Sm120Device, fake_tensor
 from moe_launcher_fakes import E, H, I, K, T, call_down, call_gate_up, grouped_plan
 
-from sparkd.backend.cuda import compiler
+from sparkd.backend.cuda import compiler, tensor_map
 from sparkd.backend.cuda.kernels import moe_grouped_gemm
 from sparkd.backend.cuda.kernels import moe_grouped_wgmma as wgmma
 
@@ -45,9 +45,14 @@ def test_a_launch_off_sm_90_is_refused_before_any_kernel_loads(monkeypatch):
 
 def test_every_kernel_is_registered_for_the_half_types_and_built_with_the_rest():
     names = {spec.name for spec in wgmma.SPECS}
-    assert names == {f"{kernel}<{c_type}>" for kernel in ("moe_grouped_gate_up_wgmma_kernel",
-                                                          "moe_grouped_down_wgmma_kernel")
-                     for c_type in ("__half", "__nv_bfloat16")}
+    assert names == {f"{kernel}<{c_type}, {cluster}>" for kernel in ("moe_grouped_gate_up_wgmma_kernel",
+                                                                     "moe_grouped_down_wgmma_kernel")
+                     for c_type in ("__half", "__nv_bfloat16") for cluster in (1, 2)}
+
+
+@pytest.mark.parametrize("num_experts,cluster", [(8, 2), (16, 2), (17, 1), (128, 1), (512, 1)])
+def test_few_experts_share_weight_slices_in_clusters_of_two_and_many_run_one_block_a_cluster(num_experts, cluster):
+    assert wgmma.cluster_size(num_experts) == cluster
     assert all(spec.source == "moe_grouped_wgmma.cu" for spec in wgmma.SPECS)
     assert set(wgmma.SPECS) <= set(compiler.all_kernel_specs())
 
@@ -68,12 +73,34 @@ def test_the_kernels_build_for_sm90a_and_as_traps_for_sm_120(tmp_path, monkeypat
     assert (b"sm_90a" in module.cubin) is (target == "sm_90a")  # the CUBIN records its arch-specific target
 
 
-def test_the_persistent_grid_is_one_block_an_sm_or_the_most_tiles_any_routing_has():
-    # Qwen3-30B at 4096 tokens: P = 32768 over 128 experts makes up to 384 M-tiles, 6 gate_up weight tiles.
-    assert wgmma.persistent_blocks(32768, 128, 6, 132) == 132
-    # 6 pairs over 8 experts: at most 1 + 6 M-tiles, 1 weight tile.
-    assert moe_grouped_gemm.max_m_tiles(6, 8) == 7
-    assert wgmma.persistent_blocks(6, 8, 1, 132) == 7
+def test_the_persistent_grid_is_the_clusters_the_device_holds_or_the_most_cluster_tiles_any_routing_has():
+    # Qwen3-30B at 4096 tokens: P = 32768 over 128 experts makes up to 384 M-tiles (256 + 128 partial
+    # ones), in pairs at most 128 + 128 cluster tiles; 6 gate_up weight tiles.
+    assert moe_grouped_gemm.max_m_tiles(32768, 128) == wgmma.max_cluster_tiles(32768, 128, 1) == 384
+    assert wgmma.max_cluster_tiles(32768, 128, 2) == 256
+    assert wgmma.persistent_blocks(32768, 128, 6, 132, cluster=1) == 132
+    assert wgmma.persistent_blocks(32768, 128, 6, 66, cluster=2) == 132
+    # 6 pairs over 8 experts: at most 1 + 6 cluster tiles of either size, 1 weight tile.
+    assert wgmma.persistent_blocks(6, 8, 1, 132, cluster=1) == 7
+    assert wgmma.persistent_blocks(6, 8, 1, 66, cluster=2) == 14
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_the_cluster_tile_bound_holds_for_every_routing_of_a_few_pairs(cluster):
+    """Exhaustive over the ways of placing P pairs on E experts (as row counts): sum_e ceil(count_e /
+    (cluster * 128)) never passes the bound the grid is sized by, and meets it for some routing."""
+    def routings(pairs, experts):
+        if experts == 1:
+            yield (pairs,)
+            return
+        for first in range(pairs + 1):
+            for rest in routings(pairs - first, experts - 1):
+                yield (first,) + rest
+
+    rows = cluster * moe_grouped_gemm.TILE_M
+    for pairs, experts in [(1, 3), (rows - 1, 3), (rows + 1, 3), (2 * rows + 2, 3)]:
+        worst = max(sum(-(-count // rows) for count in counts) for counts in routings(pairs, experts))
+        assert worst <= wgmma.max_cluster_tiles(pairs, experts, cluster)
 
 
 def test_the_ring_of_4_stages_fits_hoppers_shared_memory():
@@ -83,7 +110,7 @@ def test_the_ring_of_4_stages_fits_hoppers_shared_memory():
 
 
 class _Kernel:
-    name, function = "moe_grouped_down_wgmma_kernel<__nv_bfloat16>", object()
+    name, function = "moe_grouped_down_wgmma_kernel<__nv_bfloat16, 2>", object()
 
 
 @pytest.mark.parametrize("registers", [168, 160])
@@ -120,3 +147,20 @@ def test_the_plan_tensors_must_fit_pairs_and_experts():
         _gate_up(plan=[fake_tensor((5,), "int32"), offsets, tile_starts])
     with pytest.raises(ValueError, match=r"tile_starts must be \[9\] int32, got \[8\] int32"):
         _down(plan=[sorted_pairs, offsets, fake_tensor((E,), "int32")])
+
+
+def test_the_weights_tensor_map_refuses_what_tma_cannot_describe(monkeypatch):
+    """swizzled_boxes checks before it encodes (the encoding is the driver's, on a GPU machine)."""
+    monkeypatch.setattr(tensor_map, "_encode", lambda *args: pytest.fail("encoded"))
+    with pytest.raises(ValueError, match="maps bf16 or fp16 tensors, got float32"):
+        tensor_map.swizzled_boxes(fake_tensor((E, H, I), "float32"), 128)
+    with pytest.raises(ValueError, match="maps a contiguous 3-D tensor"):
+        tensor_map.swizzled_boxes(fake_tensor((H, I)), 128)
+    with pytest.raises(ValueError, match="maps a contiguous 3-D tensor"):
+        tensor_map.swizzled_boxes(fake_tensor((E, H, I), strides=(H * I * 2, I * 2, 1)), 128)
+    with pytest.raises(ValueError, match="16-byte aligned rows and address"):
+        tensor_map.swizzled_boxes(fake_tensor((E, H, 12)), 128)
+    with pytest.raises(ValueError, match="16-byte aligned rows and address"):
+        tensor_map.swizzled_boxes(fake_tensor((E, H, I), ptr=0x10008), 128)
+    with pytest.raises(ValueError, match="a box has 1 to 256 rows, got 512"):
+        tensor_map.swizzled_boxes(fake_tensor((E, H, I)), 512)

@@ -35,7 +35,8 @@ from sparkd.backend.cuda.tensor import DeviceTensor
 from sparkd.backend.dtypes import DType
 
 # (E, k, H, I)
-MODELS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}
+MODELS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "qwen3-235b": (128, 8, 4096, 1536),
+          "qwen3-next": (512, 10, 2048, 512)}
 
 
 class Bench(DeviceBench):
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = Bench(DType.parse(args.dtype), args.iters)
     stages = moe_grouped_gemm.pipeline_stages(bench.device.max_shared_per_block_optin)
-    wgmma = "; wgmma: persistent, 4 stages" if moe_grouped_wgmma.use_wgmma(bench.device.arch) else ""
+    wgmma = "; wgmma: persistent, 4 stages, clusters by expert count" if moe_grouped_wgmma.use_wgmma(bench.device.arch) else ""
     print(f"# {bench.device.name} ({bench.device.arch}), {args.dtype}; {args.dtype} GEMM 8192^3 through cuBLASLt: "
           f"{bench.gemm_rate / 1e12:.0f} TFLOP/s; mma.sync pipeline {stages} stages deep{wgmma}")
     print("| model | T | kernel | us/call | TFLOP/s | of GEMM 8192^3 | tile rows / rows |")

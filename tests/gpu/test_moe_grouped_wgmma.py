@@ -1,6 +1,7 @@
 """The Hopper wgmma expert GEMMs (moe_grouped_wgmma) against numpy in float64 and against the
 mma.sync kernels (moe_grouped_gemm) run on the same inputs. The pieces they are built from
-(wgmma.cuh) have their own diagnostics in test_wgmma_diagnostics.py.
+(wgmma.cuh) have their own diagnostics in test_wgmma_diagnostics.py. Each test runs at both
+cluster sizes (`cluster`).
 
 As in test_moe_grouped_gemm.py, the alignment kernel's outputs are built on the host and the
 reference multiplies the operands as the device holds them, per sorted row:
@@ -35,6 +36,14 @@ def _hopper(gpu):
 
     if not moe_grouped_wgmma.use_wgmma(device_arch()):
         pytest.skip(f"wgmma runs on {moe_grouped_wgmma.WGMMA_ARCH} only, this device is {device_arch()}")
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["one-block", "pairs"])
+def cluster(request, monkeypatch):
+    """Every test at both cluster sizes, whatever cluster_size's rule picks for its expert count:
+    one block loading its own weight slices, and pairs of M-tiles sharing them by multicast."""
+    monkeypatch.setattr(moe_grouped_wgmma, "cluster_size", lambda num_experts: request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module")

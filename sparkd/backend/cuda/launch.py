@@ -1,8 +1,9 @@
 """Kernel launches: argument packing and cuLaunchKernel.
 
-Each argument is a DeviceTensor (passed as its pointer) or a numpy scalar whose
-type fixes the C type. A Python int or float is refused: its C width would be a
-guess, and a wrong guess shifts every later argument.
+Each argument is a DeviceTensor (passed as its pointer), a numpy scalar whose
+type fixes the C type, or a TensorMap (its 128 bytes, for a __grid_constant__
+parameter). A Python int or float is refused: its C width would be a guess, and a
+wrong guess shifts every later argument.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from cuda.bindings import driver
 
 from .driver import Stream, call, check, ensure_context
 from .tensor import DeviceTensor
+from .tensor_map import TensorMap
 
 SCALAR_TYPES = (np.int32, np.uint32, np.int64, np.uint64, np.float32)
 _DEFAULT_DYNAMIC_SHARED = 48 * 1024  # more than this needs the function attribute raised
@@ -21,18 +23,21 @@ _DEFAULT_DYNAMIC_SHARED = 48 * 1024  # more than this needs the function attribu
 
 def pack_args(args: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """(slots, pointers): one 8-byte slot per argument holding its value, and the
-    array of slot addresses cuLaunchKernel reads. Keep both alive until the launch returns."""
+    array of the addresses cuLaunchKernel reads each argument from (a slot's, or a
+    TensorMap's own words). Keep both, and the args, alive until the launch returns."""
     slots = np.zeros(len(args), dtype=np.uint64)
+    pointers = slots.ctypes.data + 8 * np.arange(len(args), dtype=np.uint64)
     for i, arg in enumerate(args):
-        if isinstance(arg, DeviceTensor):
+        if isinstance(arg, TensorMap):
+            pointers[i] = arg.words.ctypes.data
+        elif isinstance(arg, DeviceTensor):
             slots[i] = arg.ptr
         elif isinstance(arg, SCALAR_TYPES):
             # Little-endian: a narrower value sits at the start of its slot.
             slots[i : i + 1].view(arg.dtype)[0] = arg
         else:
-            raise TypeError(f"kernel argument {i} is a {type(arg).__name__}: pass a DeviceTensor or a numpy "
-                            f"scalar of one of {[t.__name__ for t in SCALAR_TYPES]} to fix its C type")
-    pointers = slots.ctypes.data + 8 * np.arange(len(args), dtype=np.uint64)
+            raise TypeError(f"kernel argument {i} is a {type(arg).__name__}: pass a DeviceTensor, a TensorMap or "
+                            f"a numpy scalar of one of {[t.__name__ for t in SCALAR_TYPES]} to fix its C type")
     return slots, pointers
 
 

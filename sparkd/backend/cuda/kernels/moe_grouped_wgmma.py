@@ -9,8 +9,11 @@ kernels share):
     moe_grouped_gate_up: hidden [P, I] = silu(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T), in x's dtype
     moe_grouped_down:    expert_out [P, H] = hidden @ down[e]^T, summed in fp32, in hidden's dtype
 
-bf16 and fp16, fp32 accumulation. A block is one producer warpgroup (cp.async into a 4-stage
-ring, mbarriers) and two consumer warpgroups (wgmma m64n256k16, 64 rows each); the grid is
+bf16 and fp16, fp32 accumulation. A block is one producer warpgroup (activation rows by
+cp.async, weight rows by TMA through a tensor map of the weights, into a 4-stage ring, mbarriers)
+and two consumer warpgroups (wgmma m64n256k16, 64 rows each). Blocks run in clusters of
+`cluster_size(E)` that take consecutive M-tiles of one expert against the same weight tile, each block loading its
+share of the weight slices into every block of the cluster (TMA multicast). The grid is
 persistent, one block per SM at most, so it depends on (P, E, N) and the device only and the
 launches are graph-capturable. CudaOps picks these where `use_wgmma(device arch)` holds.
 """
@@ -23,11 +26,13 @@ from cuda.bindings import driver
 from ...dtypes import DType
 from ..compiler import KernelSpec, get_kernel
 from ..driver import Stream, call, current_device
-from ..launch import Kernel
+from ..launch import Kernel, cluster_launch_config
 from ..tensor import DeviceTensor
+from ..tensor_map import swizzled_boxes
 from . import i32, require, row_stride
 from .moe_gemm import check_down_operands, check_gate_up_operands
-from .moe_grouped_gemm import DTYPES, TILE_M, require_plan, max_m_tiles
+from .moe_grouped_gemm import DTYPES, TILE_M, require_plan
+from .moe_routing import MAX_EXPERTS
 
 _SOURCE = "moe_grouped_wgmma.cu"
 WGMMA_ARCH = "sm_90"  # wgmma exists on sm_90a only: CUBINs for it load on compute capability 9.0 alone
@@ -36,6 +41,12 @@ _GATE_UP_COLS = _TILE_N // 2  # hidden columns per gate_up tile: their gate rows
 _STAGES = 4  # kStages
 _ROW_BYTES = 128  # kRowBytes: a 64-wide K slice of one row
 _THREADS = 384  # kThreads: a producer and two consumer warpgroups
+_HALF_ROWS = _TILE_N // 2  # weight rows of one TMA box: half of a tile's
+CLUSTERS = (1, 2)  # the instantiated cluster sizes (kCluster)
+# Layers of at most this many experts run in clusters of 2 (cluster_size): measured on an H100
+# (session 23), Mixtral's 8 experts 1.07-1.24x against one block loading its own weight slices,
+# Qwen3-30B's 128 0.77-0.97x.
+MAX_EXPERTS_SHARING_WEIGHTS = 16
 # Dynamic shared memory: slack to the first 1024-byte boundary (the swizzle's period), the
 # stages (TILE_M activation rows, then _TILE_N weight rows), a full and an empty barrier a stage.
 SMEM_BYTES = 1024 + _STAGES * (TILE_M + _TILE_N) * _ROW_BYTES + 2 * _STAGES * 8
@@ -44,12 +55,13 @@ SMEM_BYTES = 1024 + _STAGES * (TILE_M + _TILE_N) * _ROW_BYTES + 2 * _STAGES * 8
 _LAUNCH_REGISTERS = 168
 
 
-def _spec(kernel: str, dtype: DType) -> KernelSpec:
-    return KernelSpec(_SOURCE, f"{kernel}<{dtype.c_type}>")
+def _spec(kernel: str, dtype: DType, cluster: int) -> KernelSpec:
+    return KernelSpec(_SOURCE, f"{kernel}<{dtype.c_type}, {cluster}>")
 
 
-SPECS = [_spec(kernel, dtype) for kernel in ("moe_grouped_gate_up_wgmma_kernel", "moe_grouped_down_wgmma_kernel")
-         for dtype in DTYPES]
+SPECS = [_spec(kernel, dtype, cluster)
+         for kernel in ("moe_grouped_gate_up_wgmma_kernel", "moe_grouped_down_wgmma_kernel")
+         for dtype in DTYPES for cluster in CLUSTERS]
 
 
 def use_wgmma(device_arch: str) -> bool:
@@ -58,9 +70,23 @@ def use_wgmma(device_arch: str) -> bool:
     return device_arch == WGMMA_ARCH
 
 
-def persistent_blocks(num_pairs: int, num_experts: int, weight_tiles: int, sm_count: int) -> int:
-    """Blocks of a launch: one per SM, fewer when any routing has fewer tiles than SMs."""
-    return min(sm_count, max_m_tiles(num_pairs, num_experts) * weight_tiles)
+def cluster_size(num_experts: int) -> int:
+    """Blocks a cluster, sharing each weight slice among consecutive M-tiles of an expert: 2 for a
+    layer of few experts; 1 for many, where an expert's odd last M-tile leaves its pair's other
+    block idle more often than the shared slices repay it."""
+    return 2 if num_experts <= MAX_EXPERTS_SHARING_WEIGHTS else 1
+
+
+def max_cluster_tiles(num_pairs: int, num_experts: int, cluster: int) -> int:
+    """Cluster-tile slots: an upper bound on sum_e ceil(count_e / (cluster * TILE_M)) over any routing
+    of P pairs, as each of the at most min(E, P) active experts leaves at most one partial one."""
+    return -(-num_pairs // (cluster * TILE_M)) + min(num_experts, num_pairs)
+
+
+def persistent_blocks(num_pairs: int, num_experts: int, weight_tiles: int, max_clusters: int, cluster: int) -> int:
+    """Blocks of a launch: `cluster` times the clusters the device holds at once, fewer when any
+    routing has fewer cluster tiles than that."""
+    return cluster * min(max_clusters, max_cluster_tiles(num_pairs, num_experts, cluster) * weight_tiles)
 
 
 def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, sorted_pairs: DeviceTensor,
@@ -73,9 +99,12 @@ def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTe
     require_plan(sorted_pairs, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     if num_pairs == 0 or inter_size == 0:
         return
-    args = [hidden, x, gate_up, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(top_k), i32(hidden_size),
+    device = _hopper(num_experts)
+    # gate_up [E, 2I, H] as [2E, I, H]: a box is 128 gate (or up) rows of one expert.
+    weights = swizzled_boxes(gate_up.view((2 * num_experts, inter_size, hidden_size)), _HALF_ROWS)
+    args = [hidden, x, weights, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(top_k), i32(hidden_size),
             i32(inter_size), np.int64(row_stride(x))]
-    _launch("moe_grouped_gate_up_wgmma_kernel", x.dtype, num_pairs, num_experts, weight_tiles, args, stream)
+    _launch(device, "moe_grouped_gate_up_wgmma_kernel", x.dtype, num_pairs, num_experts, weight_tiles, args, stream)
 
 
 def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
@@ -88,19 +117,47 @@ def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: Devic
     require_plan(None, offsets, tile_starts, num_pairs, num_experts, weight_tiles)
     if num_pairs == 0 or hidden_size == 0:
         return
-    args = [expert_out, hidden, down, offsets, tile_starts, i32(num_experts), i32(hidden_size), i32(inter_size)]
-    _launch("moe_grouped_down_wgmma_kernel", hidden.dtype, num_pairs, num_experts, weight_tiles, args, stream)
+    device = _hopper(num_experts)
+    weights = swizzled_boxes(down, _HALF_ROWS)
+    args = [expert_out, hidden, weights, offsets, tile_starts, i32(num_experts), i32(hidden_size), i32(inter_size)]
+    _launch(device, "moe_grouped_down_wgmma_kernel", hidden.dtype, num_pairs, num_experts, weight_tiles, args, stream)
 
 
-def _launch(kernel_name: str, dtype: DType, num_pairs: int, num_experts: int, weight_tiles: int, args: list,
-            stream: Stream) -> None:
-    """The persistent grid on an sm_90 device: off it the kernels are traps, so refuse first."""
+def _hopper(num_experts: int):
+    """The current device, an sm_90 one: off it the kernels are traps, so this refuses first."""
     device = current_device()
     require(use_wgmma(device.arch), f"the wgmma expert GEMMs run on {WGMMA_ARCH} only, this device is {device.arch}")
-    kernel = get_kernel(_spec(kernel_name, dtype))
+    require(num_experts <= MAX_EXPERTS, f"the wgmma expert GEMMs take at most {MAX_EXPERTS} experts, got {num_experts}")
+    return device
+
+
+def _launch(device, kernel_name: str, dtype: DType, num_pairs: int, num_experts: int, weight_tiles: int,
+            args: list, stream: Stream) -> None:
+    """The persistent grid of clusters on the sm_90 `device`."""
+    cluster = cluster_size(num_experts)
+    kernel = get_kernel(_spec(kernel_name, dtype, cluster))
     _require_register_budget(kernel)
-    blocks = persistent_blocks(num_pairs, num_experts, weight_tiles, device.sm_count)
-    kernel.launch(blocks, _THREADS, args, shared_mem=SMEM_BYTES, stream=stream)
+    max_clusters = _max_clusters(kernel, cluster, device.sm_count)
+    blocks = persistent_blocks(num_pairs, num_experts, weight_tiles, max_clusters, cluster)
+    kernel.launch(blocks, _THREADS, args, shared_mem=SMEM_BYTES, stream=stream,
+                  cluster=(cluster, 1, 1) if cluster > 1 else None)
+
+
+_max_clusters_of: dict[str, int] = {}
+
+
+def _max_clusters(kernel: Kernel, cluster: int, sm_count: int) -> int:
+    """Clusters of `cluster` blocks the device runs at once (one block an SM; a cluster's blocks
+    share a GPC, so pairs may leave SMs over): the persistent grid's size."""
+    if cluster == 1:
+        return sm_count
+    if kernel.name not in _max_clusters_of:
+        kernel.allow_dynamic_shared(SMEM_BYTES)
+        config = cluster_launch_config(cluster, _THREADS, cluster, SMEM_BYTES, driver.CUstream(0))
+        clusters = call(driver.cuOccupancyMaxActiveClusters, kernel.function, config)
+        require(clusters >= 1, f"{kernel.name} fits no cluster of {cluster} blocks on this device")
+        _max_clusters_of[kernel.name] = clusters
+    return _max_clusters_of[kernel.name]
 
 
 _budgets_checked: set[str] = set()
