@@ -12,10 +12,11 @@ kernels share):
 bf16 and fp16, fp32 accumulation. A block is one producer warpgroup (activation rows by
 cp.async, weight rows by TMA through a tensor map of the weights, into a 4-stage ring, mbarriers)
 and two consumer warpgroups (wgmma m64n256k16, 64 rows each). Blocks run in clusters of
-`cluster_size(E)` that take consecutive M-tiles of one expert against the same weight tile, each block loading its
-share of the weight slices into every block of the cluster (TMA multicast). The grid is
-persistent, one block per SM at most, so it depends on (P, E, N) and the device only and the
-launches are graph-capturable. CudaOps picks these where `use_wgmma(device arch)` holds.
+`cluster_size(P, E, K)` that take consecutive M-tiles of one expert against the same weight
+tile, each block loading its share of the weight slices into every block of the cluster (TMA
+multicast). The grid is persistent, one block per SM at most, so it depends on (P, E, N, K) and
+the device only and the launches are graph-capturable. CudaOps picks these where
+`use_wgmma(device arch)` holds.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ _ROW_BYTES = 128  # kRowBytes: a 64-wide K slice of one row
 _THREADS = 384  # kThreads: a producer and two consumer warpgroups
 _HALF_ROWS = _TILE_N // 2  # weight rows of one TMA box: half of a tile's
 CLUSTERS = (1, 2)  # the instantiated cluster sizes (kCluster)
-# Layers of at most this many experts run in clusters of 2 (cluster_size): measured on an H100
-# (session 23), Mixtral's 8 experts 1.07-1.24x against one block loading its own weight slices,
-# Qwen3-30B's 128 0.77-0.97x.
-MAX_EXPERTS_SHARING_WEIGHTS = 16
+# A GEMM runs in clusters of 2 (cluster_size) from this K, when its experts average a whole
+# M-tile of rows or more. Measured on an H100 (session 23, docs/benchmarks.md), against one block
+# loading its own weight slices and against the cp.async form before it: every GEMM of Mixtral
+# and Qwen3-235B's gate_up at 4096 tokens gain 1.06-1.24x in pairs; Qwen3-30B's, Qwen3-Next's and
+# Qwen3-235B's down (K 512-2048) and Qwen3-235B at 512 tokens (32 rows an expert) lose 0.77-0.97x.
+MIN_SHARED_K = 4096
 # Dynamic shared memory: slack to the first 1024-byte boundary (the swizzle's period), the
 # stages (TILE_M activation rows, then _TILE_N weight rows), a full and an empty barrier a stage.
 SMEM_BYTES = 1024 + _STAGES * (TILE_M + _TILE_N) * _ROW_BYTES + 2 * _STAGES * 8
@@ -70,11 +73,12 @@ def use_wgmma(device_arch: str) -> bool:
     return device_arch == WGMMA_ARCH
 
 
-def cluster_size(num_experts: int) -> int:
-    """Blocks a cluster, sharing each weight slice among consecutive M-tiles of an expert: 2 for a
-    layer of few experts; 1 for many, where an expert's odd last M-tile leaves its pair's other
-    block idle more often than the shared slices repay it."""
-    return 2 if num_experts <= MAX_EXPERTS_SHARING_WEIGHTS else 1
+def cluster_size(num_pairs: int, num_experts: int, k_size: int) -> int:
+    """Blocks a cluster, which share each weight slice among consecutive M-tiles of an expert: 2
+    where a tile streams a long K of weights (what the sharing halves) and an expert has a full
+    M-tile of rows on average (so that its pair's other block is seldom idle), else 1."""
+    shares = k_size >= MIN_SHARED_K and num_pairs >= TILE_M * num_experts
+    return 2 if shares else 1
 
 
 def max_cluster_tiles(num_pairs: int, num_experts: int, cluster: int) -> int:
@@ -104,7 +108,8 @@ def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTe
     weights = swizzled_boxes(gate_up.view((2 * num_experts, inter_size, hidden_size)), _HALF_ROWS)
     args = [hidden, x, weights, sorted_pairs, offsets, tile_starts, i32(num_experts), i32(top_k), i32(hidden_size),
             i32(inter_size), np.int64(row_stride(x))]
-    _launch(device, "moe_grouped_gate_up_wgmma_kernel", x.dtype, num_pairs, num_experts, weight_tiles, args, stream)
+    _launch(device, "moe_grouped_gate_up_wgmma_kernel", x.dtype, num_pairs, num_experts, hidden_size, weight_tiles,
+            args, stream)
 
 
 def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: DeviceTensor, offsets: DeviceTensor,
@@ -120,7 +125,8 @@ def moe_grouped_down(expert_out: DeviceTensor, hidden: DeviceTensor, down: Devic
     device = _hopper(num_experts)
     weights = swizzled_boxes(down, _HALF_ROWS)
     args = [expert_out, hidden, weights, offsets, tile_starts, i32(num_experts), i32(hidden_size), i32(inter_size)]
-    _launch(device, "moe_grouped_down_wgmma_kernel", hidden.dtype, num_pairs, num_experts, weight_tiles, args, stream)
+    _launch(device, "moe_grouped_down_wgmma_kernel", hidden.dtype, num_pairs, num_experts, inter_size, weight_tiles,
+            args, stream)
 
 
 def _hopper(num_experts: int):
@@ -131,10 +137,10 @@ def _hopper(num_experts: int):
     return device
 
 
-def _launch(device, kernel_name: str, dtype: DType, num_pairs: int, num_experts: int, weight_tiles: int,
+def _launch(device, kernel_name: str, dtype: DType, num_pairs: int, num_experts: int, k_size: int, weight_tiles: int,
             args: list, stream: Stream) -> None:
     """The persistent grid of clusters on the sm_90 `device`."""
-    cluster = cluster_size(num_experts)
+    cluster = cluster_size(num_pairs, num_experts, k_size)
     kernel = get_kernel(_spec(kernel_name, dtype, cluster))
     _require_register_budget(kernel)
     max_clusters = _max_clusters(kernel, cluster, device.sm_count)
