@@ -21,6 +21,7 @@ TENSOR_MAP_BYTES = 128
 _DATA_TYPES = {DType.bfloat16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                DType.float16: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}
 SWIZZLE_BYTES = 128  # CU_TENSOR_MAP_SWIZZLE_128B: wgmma.cuh's tile layout; a box row is at most this
+L2_PROMOTION = driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B  # L2 fills of 256 bytes a box row
 
 
 class TensorMap:
@@ -61,7 +62,7 @@ def _encode(ptr: int, shape: tuple[int, int, int], dtype: DType, box_rows: int) 
         _DATA_TYPES[dtype], 3, ptr, [u64(d0), u64(d1), u64(d2)], [u64(d0 * itemsize), u64(d1 * d0 * itemsize)],
         [u32(box_elements), u32(box_rows), u32(1)], [u32(1)] * 3, driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        L2_PROMOTION,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
         f"cuTensorMapEncodeTiled of [{d2}, {d1}, {d0}] {dtype.name}, boxes of {box_rows} rows")
     return TensorMap(np.array(encoded.opaque, dtype=np.uint64))
