@@ -50,6 +50,26 @@ __device__ __forceinline__ int cluster_blocks() {
   return static_cast<int>(count);
 }
 
+// This block's rank in its cluster (0 in a launch without clusters: each block is its own).
+__device__ __forceinline__ int cluster_rank() {
+  unsigned rank;
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return static_cast<int>(rank);
+}
+
+// This block's cluster, and the clusters of the grid, along x.
+__device__ __forceinline__ int cluster_index() {
+  unsigned index;
+  asm("mov.u32 %0, %%clusterid.x;\n" : "=r"(index));
+  return static_cast<int>(index);
+}
+
+__device__ __forceinline__ int cluster_count() {
+  unsigned count;
+  asm("mov.u32 %0, %%nclusterid.x;\n" : "=r"(count));
+  return static_cast<int>(count);
+}
+
 // The sum of v over every thread of the cluster, on every thread (the same bits on each: one
 // order of the same partial sums). Every thread of the cluster calls it; blockDim.x is a multiple
 // of 32 and the cluster's warps are 32 at most. partials: blockDim.x / 32 floats of shared memory

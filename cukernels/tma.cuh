@@ -22,26 +22,6 @@ struct alignas(64) TensorMap {
 
 #if defined(SPARKD_HAS_WGMMA)
 
-// This block's rank in its cluster (0 in a launch without clusters: each block is its own).
-__device__ __forceinline__ int cluster_rank() {
-  unsigned rank;
-  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return static_cast<int>(rank);
-}
-
-// This block's cluster, and the clusters of the grid, along x.
-__device__ __forceinline__ int cluster_index() {
-  unsigned index;
-  asm("mov.u32 %0, %%clusterid.x;\n" : "=r"(index));
-  return static_cast<int>(index);
-}
-
-__device__ __forceinline__ int cluster_count() {
-  unsigned count;
-  asm("mov.u32 %0, %%nclusterid.x;\n" : "=r"(count));
-  return static_cast<int>(count);
-}
-
 // One arrival on `barrier` that also expects `bytes` more transaction bytes in the current phase:
 // the phase completes once every arrival is in and that many bytes have landed.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned barrier, unsigned bytes) {

@@ -82,8 +82,8 @@ def test_the_kernels_build_for_sm90a_and_as_traps_for_sm_120(tmp_path, monkeypat
 def test_the_persistent_grid_is_the_clusters_the_device_holds_or_the_most_cluster_tiles_any_routing_has():
     # Qwen3-30B at 4096 tokens: P = 32768 over 128 experts makes up to 384 M-tiles (256 + 128 partial
     # ones), in pairs at most 128 + 128 cluster tiles; 6 gate_up weight tiles.
-    assert moe_grouped_gemm.max_m_tiles(32768, 128) == wgmma.max_cluster_tiles(32768, 128, 1) == 384
-    assert wgmma.max_cluster_tiles(32768, 128, 2) == 256
+    assert moe_grouped_gemm.max_m_tiles(32768, 128) == 384
+    assert moe_grouped_gemm.max_m_tiles(32768, 128, 2 * moe_grouped_gemm.TILE_M) == 256
     assert wgmma.persistent_blocks(32768, 128, 6, 132, cluster=1) == 132
     assert wgmma.persistent_blocks(32768, 128, 6, 66, cluster=2) == 132
     # 6 pairs over 8 experts: at most 1 + 6 cluster tiles of either size, 1 weight tile.
@@ -106,7 +106,7 @@ def test_the_cluster_tile_bound_holds_for_every_routing_of_a_few_pairs(cluster):
     rows = cluster * moe_grouped_gemm.TILE_M
     for pairs, experts in [(1, 3), (rows - 1, 3), (rows + 1, 3), (2 * rows + 2, 3)]:
         worst = max(sum(-(-count // rows) for count in counts) for counts in routings(pairs, experts))
-        assert worst <= wgmma.max_cluster_tiles(pairs, experts, cluster)
+        assert worst <= moe_grouped_gemm.max_m_tiles(pairs, experts, rows)
 
 
 def test_the_ring_of_4_stages_fits_hoppers_shared_memory():

@@ -61,10 +61,10 @@ def use_grouped_gemm(num_pairs: int, num_experts: int, dtype: DType) -> bool:
     return dtype in DTYPES and num_pairs >= MIN_ROWS_PER_EXPERT * num_experts
 
 
-def max_m_tiles(num_pairs: int, num_experts: int) -> int:
-    """M-tile slots of the grid: an upper bound on sum_e ceil(count_e / TILE_M) over any routing of P pairs,
+def max_m_tiles(num_pairs: int, num_experts: int, tile_rows: int = TILE_M) -> int:
+    """M-tile slots of the grid: an upper bound on sum_e ceil(count_e / tile_rows) over any routing of P pairs,
     as each of the at most min(E, P) active experts leaves at most one partial tile."""
-    return -(-num_pairs // TILE_M) + min(num_experts, num_pairs)
+    return -(-num_pairs // tile_rows) + min(num_experts, num_pairs)
 
 
 def smem_bytes(stages: int) -> int:

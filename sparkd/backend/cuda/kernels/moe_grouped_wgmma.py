@@ -32,7 +32,7 @@ from ..tensor import DeviceTensor
 from ..tensor_map import swizzled_boxes
 from . import i32, require, row_stride
 from .moe_gemm import check_down_operands, check_gate_up_operands
-from .moe_grouped_gemm import DTYPES, TILE_M, require_plan
+from .moe_grouped_gemm import DTYPES, TILE_M, max_m_tiles, require_plan
 from .moe_routing import MAX_EXPERTS
 
 _SOURCE = "moe_grouped_wgmma.cu"
@@ -81,16 +81,11 @@ def cluster_size(num_pairs: int, num_experts: int, k_size: int) -> int:
     return 2 if shares else 1
 
 
-def max_cluster_tiles(num_pairs: int, num_experts: int, cluster: int) -> int:
-    """Cluster-tile slots: an upper bound on sum_e ceil(count_e / (cluster * TILE_M)) over any routing
-    of P pairs, as each of the at most min(E, P) active experts leaves at most one partial one."""
-    return -(-num_pairs // (cluster * TILE_M)) + min(num_experts, num_pairs)
-
-
 def persistent_blocks(num_pairs: int, num_experts: int, weight_tiles: int, max_clusters: int, cluster: int) -> int:
     """Blocks of a launch: `cluster` times the clusters the device holds at once, fewer when any
-    routing has fewer cluster tiles than that."""
-    return cluster * min(max_clusters, max_cluster_tiles(num_pairs, num_experts, cluster) * weight_tiles)
+    routing has fewer cluster tiles (`cluster` M-tiles of one expert) than that."""
+    cluster_tiles = max_m_tiles(num_pairs, num_experts, cluster * TILE_M)
+    return cluster * min(max_clusters, cluster_tiles * weight_tiles)
 
 
 def moe_grouped_gate_up(hidden: DeviceTensor, x: DeviceTensor, gate_up: DeviceTensor, sorted_pairs: DeviceTensor,
