@@ -19,7 +19,6 @@ of kernel accounts for.
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import sys
@@ -30,17 +29,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_decode  # noqa: E402
-import bench_hybrid  # noqa: E402
-import bench_moe  # noqa: E402
 from bench_common import best_seconds  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
+from profile_served_step import built_model, model_parser  # noqa: E402
 
 from sparkd import SamplingParams  # noqa: E402
 from sparkd.backend.cuda import graphs  # noqa: E402
 from sparkd.backend.cuda.driver import call  # noqa: E402
 from sparkd.engine.model_runner import prepare_inputs  # noqa: E402
 
-MODELS = {"llama": (bench_decode, 32), "moe": (bench_moe, 24), "hybrid": (bench_hybrid, 12)}
 PROMPT_LEN = 128
 KERNEL = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
 
@@ -126,17 +123,12 @@ def decode_step_graph(model, templates: dict[int, driver.CUgraph]) -> tuple[grap
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(MODELS), default="moe")
-    parser.add_argument("--layers", type=int, help="decoder layers (default: the benchmark's)")
+    parser = model_parser(__doc__, "moe")
     parser.add_argument("--replays", type=int, default=20, help="back-to-back replays a timing")
     args = parser.parse_args(argv)
-    bench, layers = MODELS[args.model]
-    num_layers = args.layers or layers
-    ops, copy_rate, _ = bench_decode.measure_ceilings(f"{args.model}, {num_layers} layers")
     keeping = TemplateKeepingDriver()
     graphs.driver = keeping  # before the engine captures any graph
-    model = bench.build_model(ops, num_layers, 32, 0.5)
+    ops, copy_rate, model = built_model(args, 32)
     graph, template = decode_step_graph(model, keeping.templates)
     stream = ops.stream
     nodes = kernel_nodes(template)
@@ -172,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, len(members), (full[-2] + full[-1]) / 2 - without, alone))
     step = statistics.median(full)
     floor_us = 1e6 * model.step_weight_bytes(1) / copy_rate
-    print(f"\n{args.model}, {num_layers} layers, batch 1 after {PROMPT_LEN} tokens: {len(nodes)} kernel nodes; "
+    print(f"\n{args.model}, {model.config.num_layers} layers, batch 1 after {PROMPT_LEN} tokens: {len(nodes)} kernel nodes; "
           f"step {step:.1f} us (replays {min(full):.1f}-{max(full):.1f}), weights at the copy rate {floor_us:.1f} us "
           f"({floor_us / step:.3f}); all kernels off {empty:.1f} us\n")
     print("| kernel | launches | marginal us | a launch | alone us | a launch |\n| --- | --- | --- | --- | --- | --- |")

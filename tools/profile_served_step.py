@@ -75,15 +75,28 @@ class StepTimer:
         return {part: statistics.median(times) for part, times in parts.items()}, statistics.median(gaps)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
+def model_parser(description: str, default: str) -> argparse.ArgumentParser:
+    """A parser with --model (a key of MODELS) and --layers, for the profiling tools."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default=default)
     parser.add_argument("--layers", type=int, help="decoder layers (default: the benchmark's)")
+    return parser
+
+
+def built_model(args: argparse.Namespace, steps: int) -> tuple[cuda_ops.CudaOps, float, bench_decode.Model]:
+    """(ops, copy rate in bytes/s, the benchmark's model) for model_parser's arguments, on a bf16
+    CudaOps with the ceilings measured and printed; `steps` sizes its context as the bench's."""
+    bench, layers = MODELS[args.model]
+    num_layers = args.layers or layers
+    ops, copy_rate, _ = bench_decode.measure_ceilings(f"{args.model}, {num_layers} layers")
+    return ops, copy_rate, bench.build_model(ops, num_layers, steps, 0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_parser(__doc__, "llama")
     parser.add_argument("--steps", type=int, default=200, help="decode steps served per run")
     args = parser.parse_args(argv)
-    bench, layers = MODELS[args.model]
-    ops, copy_rate, _ = bench_decode.measure_ceilings(f"{args.model}, {args.layers or layers} layers")
-    model = bench.build_model(ops, args.layers or layers, args.steps, 0.5)
+    ops, copy_rate, model = built_model(args, args.steps)
     rng = np.random.default_rng(0)
     _, forward_seconds, floor_seconds = bench_decode.run_decode(model, 1, PROMPT_LEN, 32, copy_rate, rng)
 
