@@ -92,6 +92,10 @@ if [ "$PART" = all ] || [ "$PART" = kernels ]; then
     run_step bench_moe_kernels 30 python3 tools/bench_moe_kernels.py
     run_step bench_moe_routing 20 python3 tools/bench_moe_routing.py
     run_step bench_moe_grouped 30 python3 tools/bench_moe_grouped.py
+    # Each kernel's marginal cost inside the batch-1 decode graph (8 hybrid layers keep the 3:1
+    # pattern and fit in half of an 80 GB card).
+    run_step profile_graph_nodes_moe 150 python3 tools/profile_graph_nodes.py --model moe
+    run_step profile_graph_nodes_hybrid 120 python3 tools/profile_graph_nodes.py --model hybrid --layers 8
 fi
 if [ "$PART" = all ] || [ "$PART" = models ] || [ "$PART" = new ]; then
     # bench_gemm measures cuBLASLt's candidate algorithms and the skinny GEMM and writes the
