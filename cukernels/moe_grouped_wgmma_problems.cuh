@@ -67,11 +67,8 @@ struct GateUpProblem {
   __device__ const T* any_valid() const { return x; }
 
   __device__ void sources(const Tile& tile, int first_row, TileSources<T>& src) const {
-#pragma unroll
-    for (int i = 0; i < kTileM / kCopyRowStep; ++i) {
-      const int row = tile.row0 + first_row + i * kCopyRowStep;
-      src.a[i] = row < tile.row_end ? x + static_cast<long long>(__ldg(sorted_pairs + row) / top_k) * ld_x : nullptr;
-    }
+    src.fill(tile, first_row,
+             [&](int row) { return x + static_cast<long long>(__ldg(sorted_pairs + row) / top_k) * ld_x; });
   }
 
   // B's halves are gate rows c0 .. c0 + 127 and the same up rows, c0 = n_block * kHalfN: rows
@@ -112,11 +109,7 @@ struct DownProblem {
   __device__ const T* any_valid() const { return hidden; }
 
   __device__ void sources(const Tile& tile, int first_row, TileSources<T>& src) const {
-#pragma unroll
-    for (int i = 0; i < kTileM / kCopyRowStep; ++i) {
-      const int row = tile.row0 + first_row + i * kCopyRowStep;
-      src.a[i] = row < tile.row_end ? hidden + static_cast<long long>(row) * inter_size : nullptr;
-    }
+    src.fill(tile, first_row, [&](int row) { return hidden + static_cast<long long>(row) * inter_size; });
   }
 
   // B is down rows h0 .. h0 + 255 of the expert, h0 = n_block * kTileN, in two halves.

@@ -107,6 +107,16 @@ __device__ __forceinline__ void scan_cluster_starts(const int* tile_starts, int 
 template <typename T>
 struct TileSources {
   const T* a[kTileM / kCopyRowStep];
+
+  // a[i] = row_pointer(row) for each of those rows of `tile` (row_pointer: sorted row -> const T*).
+  template <typename RowPointer>
+  __device__ __forceinline__ void fill(const Tile& tile, int first_row, RowPointer row_pointer) {
+#pragma unroll
+    for (int i = 0; i < kTileM / kCopyRowStep; ++i) {
+      const int row = tile.row0 + first_row + i * kCopyRowStep;
+      a[i] = row < tile.row_end ? row_pointer(row) : nullptr;
+    }
+  }
 };
 
 // The stages and their barriers in dynamic shared memory, from its first swizzle-period boundary:
