@@ -7,14 +7,18 @@ does not run on the lent machines, so neither says where a graph replay spends i
 tool measures inside the graph. It brings the model of bench_decode.py, bench_moe.py or
 bench_hybrid.py (random bf16 weights on the device) to batch-1 decode after a 128-token prompt,
 keeping the template of every graph the engine captures, then groups the replayed graph's
-kernel nodes by kernel and times back-to-back replays of the executable graph with
+kernel nodes by kernel and times back-to-back replays of executable graphs made from the template with
 - every node on: the step;
 - one group's nodes off (cuGraphNodeSetEnabled): the step less the group, whose difference is
   the group's marginal cost in the step (its own time, and the gaps it adds);
 - only that group's nodes on: the group alone, less the empty graph's time.
-A disabled kernel leaves its outputs as the last full replay wrote them, so the kernels after
-it read valid data. The step's time minus the sum of the marginal costs is what no single kind
-of kernel accounts for.
+Each configuration gets an executable graph of its own, instantiated from the template, whose
+nodes are only ever switched off, so that no timing depends on the switches made before it
+(session 25's first map switched one executable graph's nodes off and on again, and its full
+Qwen3-Next step, timed between the groups, drifted from 935 to 1054 us on an H100). A disabled
+kernel leaves its outputs as the last full replay wrote them, so the kernels after it read
+valid data. The step's time minus the sum of the marginal costs is what no single kind of
+kernel accounts for.
 """
 
 from __future__ import annotations
@@ -135,32 +139,32 @@ def main(argv: list[str] | None = None) -> int:
     groups: dict[str, list[driver.CUgraphNode]] = {}
     for name, node in nodes:
         groups.setdefault(name, []).append(node)
-
-    def enable(selected: list[driver.CUgraphNode], on: bool) -> None:
-        for node in selected:
-            call(driver.cuGraphNodeSetEnabled, graph.graph_exec, node, int(on))
-
-    def step_us() -> float:
-        def replays() -> None:
-            for _ in range(args.replays):
-                graph.replay(stream)
-        return 1e6 * best_seconds(stream, replays, reps=5) / args.replays
-
     everything = [node for _, node in nodes]
-    enable(everything, False)
-    empty = step_us()
-    enable(everything, True)
-    full = [step_us()]
+
+    def step_us(off: list[driver.CUgraphNode]) -> float:
+        """The step's replay time in us, on a fresh executable graph with the `off` nodes disabled."""
+        graph_exec = call(driver.cuGraphInstantiate, template, 0)
+        try:
+            for node in off:
+                call(driver.cuGraphNodeSetEnabled, graph_exec, node, 0)
+            call(driver.cuGraphUpload, graph_exec, stream.handle)
+
+            def replays() -> None:
+                for _ in range(args.replays):
+                    call(driver.cuGraphLaunch, graph_exec, stream.handle)
+            return 1e6 * best_seconds(stream, replays, reps=5) / args.replays
+        finally:
+            stream.synchronize()
+            call(driver.cuGraphExecDestroy, graph_exec)
+
+    graph.replay(stream)  # the engine's own executable graph, once: every output is a full step's
+    empty = step_us(everything)
+    full = [step_us([])]
     rows = []
     for name, members in groups.items():
-        enable(members, False)
-        without = step_us()
-        enable(members, True)
-        full.append(step_us())
-        enable(everything, False)
-        enable(members, True)
-        alone = step_us() - empty
-        enable(everything, True)
+        without = step_us(members)
+        full.append(step_us([]))
+        alone = step_us([node for node in everything if node not in members]) - empty
         rows.append((name, len(members), (full[-2] + full[-1]) / 2 - without, alone))
     step = statistics.median(full)
     floor_us = 1e6 * model.step_weight_bytes(1) / copy_rate
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {count} | {marginal:.1f} | {marginal / count:.2f} | {alone:.1f} | {alone / count:.2f} |")
     unexplained = step - sum(row[2] for row in rows)
     print(f"\nsum of marginal costs {step - unexplained:.1f} us; the step less that {unexplained:.1f} us")
+    print("the full step between the groups, in order (us): " + ", ".join(f"{us:.0f}" for us in full))
     print("the graph's first 16 kernels, in its order: " + ", ".join(name for name, _ in nodes[:16]))
     return 0
 
