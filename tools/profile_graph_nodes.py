@@ -143,19 +143,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def step_us(off: list[driver.CUgraphNode]) -> float:
         """The step's replay time in us, on a fresh executable graph with the `off` nodes disabled."""
-        graph_exec = call(driver.cuGraphInstantiate, template, 0)
+        fresh = graphs.CudaGraph(call(driver.cuGraphInstantiate, template, 0))
         try:
             for node in off:
-                call(driver.cuGraphNodeSetEnabled, graph_exec, node, 0)
-            call(driver.cuGraphUpload, graph_exec, stream.handle)
+                call(driver.cuGraphNodeSetEnabled, fresh.graph_exec, node, 0)
 
             def replays() -> None:
                 for _ in range(args.replays):
-                    call(driver.cuGraphLaunch, graph_exec, stream.handle)
+                    fresh.replay(stream)
             return 1e6 * best_seconds(stream, replays, reps=5) / args.replays
         finally:
             stream.synchronize()
-            call(driver.cuGraphExecDestroy, graph_exec)
+            fresh.destroy()
 
     graph.replay(stream)  # the engine's own executable graph, once: every output is a full step's
     empty = step_us(everything)
